@@ -1,0 +1,100 @@
+"""Data layer: where the corpus comes from, how it is cleaned, tokenized and sharded."""
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from .base import Strict
+
+Extractor = Literal["auto", "html", "man", "gettext", "sword", "fortune", "text", "parquet", "jsonl", "mallard"]
+
+
+class _SourceBase(Strict):
+    name: str
+    license: str = "unknown"
+    extractor: Extractor = "auto"
+    # Glob patterns (inside the unpacked package or archive) of the files to extract; empty means all.
+    include: list[str] = []
+    exclude: list[str] = []
+    # Column holding the text, for parquet and jsonl sources.
+    text_column: str = "text"
+    # Upper bound on this source's share of the corpus characters (e.g. 0.3 for the 1909 Bible).
+    max_fraction: float | None = Field(default=None, gt=0, le=1)
+    # A sampling weight: 2.0 repeats the source's documents twice in the training split.
+    weight: float = Field(default=1.0, gt=0)
+
+
+class DebSource(_SourceBase):
+    kind: Literal["deb"]
+    package: str
+    version: str
+    sha256: str | None = None
+
+
+class UrlSource(_SourceBase):
+    kind: Literal["url"]
+    url: str
+    sha256: str | None = None
+    timeout_s: float = Field(default=60.0, gt=0)
+    retries: int = Field(default=3, ge=0)
+
+
+class HfSource(_SourceBase):
+    """Files of a Hugging Face dataset repo at a pinned revision (a `url` source underneath)."""
+
+    kind: Literal["hf"]
+    repo: str
+    revision: str
+    files: list[str]
+    sha256: dict[str, str] = {}
+    endpoint: str = "https://huggingface.co"
+    timeout_s: float = Field(default=60.0, gt=0)
+    retries: int = Field(default=3, ge=0)
+
+
+class LocalSource(_SourceBase):
+    kind: Literal["local"]
+    path: str
+
+
+Source = Annotated[DebSource | UrlSource | HfSource | LocalSource, Field(discriminator="kind")]
+
+
+class CleaningConfig(Strict):
+    min_words_per_line: int = Field(default=4, ge=0)
+    min_letter_fraction: float = Field(default=0.6, ge=0, le=1)
+    language_filter: bool = True
+    dedup: bool = True
+    min_doc_chars: int = Field(default=200, ge=0)
+
+
+class TokenizerConfig(Strict):
+    type: Literal["bpe", "unigram"] = "unigram"
+    vocab_size: int = Field(default=8192, gt=0)
+    character_coverage: float = Field(default=0.9995, gt=0, le=1)
+    # Sentences longer than this (bytes) are split before training, never silently skipped.
+    max_sentence_length: int = Field(default=4192, gt=0)
+    # Characters of the training split sampled for tokenizer training (0: all).
+    input_sentence_size: int = Field(default=0, ge=0)
+    user_defined_symbols: list[str] = ["<|im_start|>", "<|im_end|>"]
+
+
+class ShardConfig(Strict):
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    tokens_per_shard: int = Field(default=1 << 24, gt=0)
+    num_workers: int | None = Field(default=None, ge=1)  # null: all cores
+
+
+class DataConfig(Strict):
+    name: str
+    sources: list[Source]
+    val_fraction: float = Field(default=0.02, gt=0, lt=1)
+    cleaning: CleaningConfig = CleaningConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    shard: ShardConfig = ShardConfig()
+
+    @property
+    def shard_dtype(self) -> str:
+        if self.shard.dtype != "auto":
+            return self.shard.dtype
+        return "uint16" if self.tokenizer.vocab_size <= 65536 else "uint32"

@@ -1,0 +1,19 @@
+"""Small config sections that live in params.yaml rather than in a layer file."""
+
+from pydantic import Field
+
+from .base import Strict
+
+
+class GenerationConfig(Strict):
+    max_new_tokens: int = Field(default=48, gt=0)
+    temperature: float = Field(default=0.8, ge=0)  # 0: greedy
+    top_k: int = Field(default=50, ge=0)  # 0: off
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    seed: int = 0
+
+
+class EvalConfig(Strict):
+    batches: int = Field(default=16, gt=0)
+    prompts: list[str] = ["La ciudad de", "Había una vez", "El sol sale por"]
+    generation: GenerationConfig = GenerationConfig()

@@ -1,0 +1,266 @@
+"""Resolve the layered config: params.yaml picks one file per layer, then overrides apply.
+
+Order, later wins: layer file < params.yaml `set:` < command-line `--set`. Every leaf value remembers
+where it came from, so errors and `enlace config show` can name the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from ..errors import ConfigError
+from .data import DataConfig
+from .extra import EvalConfig
+from .hardware import HardwareConfig
+from .model import ModelConfig
+from .train import TrainConfig
+
+LAYERS: dict[str, type[BaseModel]] = {
+    "hardware": HardwareConfig,
+    "model": ModelConfig,
+    "train": TrainConfig,
+    "data": DataConfig,
+}
+PRETRAIN_LAYERS = ("hardware", "model", "train", "data")
+DEFAULT_PARAMS = "params.yaml"
+CONFIG_DIR = "configs"
+
+
+def register_layer(name: str, schema: type[BaseModel]) -> None:
+    """Later issues add layers (e.g. finetune) without touching the resolver."""
+    LAYERS[name] = schema
+
+
+@dataclass(frozen=True)
+class Config:
+    layers: dict[str, BaseModel]
+    provenance: dict[str, str]  # dotted key -> where the value came from
+    files: dict[str, str]  # layer -> file it was read from
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def __getattr__(self, name: str) -> Any:
+        layers = self.__dict__.get("layers", {})
+        if name in layers:
+            return layers[name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: layer.model_dump(mode="json") for name, layer in self.layers.items()}
+
+    def section_hash(self, *names: str) -> str:
+        """Hash of some layers only: resume compares model/data/optimizer hashes separately."""
+        d = self.to_dict()
+        return _hash({n: d[n] for n in names if n in d})
+
+    @property
+    def hash(self) -> str:
+        return _hash(self.to_dict())
+
+
+def _hash(obj: Any) -> str:
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), what, "file not found") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(str(path), what, f"not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), what, f"expected a mapping of keys to values, got {type(data).__name__}")
+    return data
+
+
+def layer_path(layer: str, selector: str, root: Path) -> Path:
+    """A layer is selected by name (configs/<layer>/<name>.yaml) or by an explicit .yaml path."""
+    if selector.endswith((".yaml", ".yml")) or "/" in selector:
+        p = Path(selector)
+        return p if p.is_absolute() else root / p
+    return root / CONFIG_DIR / layer / f"{selector}.yaml"
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        nxt = d.get(p)
+        if not isinstance(nxt, dict):
+            nxt = d[p] = {}
+        d = nxt
+    d[parts[-1]] = value
+
+
+def parse_set(items: list[str] | None) -> dict[str, Any]:
+    """`--set train.max_steps=100` -> {"train.max_steps": 100}; values are parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ConfigError("--set", item, "expected section.key=value")
+        key, raw = item.split("=", 1)
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def _source_for(loc: tuple[Any, ...], layer: str, provenance: dict[str, str], default: str) -> str:
+    """The file that set the value at `loc`, or the closest enclosing key that has one."""
+    parts = [str(p) for p in loc]
+    for n in range(len(parts), 0, -1):
+        key = ".".join([layer, *parts[:n]])
+        if key in provenance:
+            return provenance[key]
+        prefixed = [v for k, v in provenance.items() if k.startswith(key + ".")]
+        if prefixed and all(v == prefixed[0] for v in prefixed):
+            return prefixed[0]
+    return default
+
+
+def _validation_error(e: ValidationError, layer: str, provenance: dict[str, str], default: str) -> ConfigError:
+    err = e.errors(include_url=False)[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("deb", "url", "hf", "local")))
+    path = ".".join([layer, *map(str, loc)])
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        allowed = _allowed_keys(LAYERS[layer], loc[:-1])
+        msg = "unknown key" + (f"; allowed: {', '.join(allowed)}" if allowed else "")
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    elif "input" in err and err["type"] not in ("value_error",):
+        msg = f"{msg} (got {err['input']!r})"
+    msg = msg.removeprefix("Value error, ")
+    return ConfigError(_source_for(loc, layer, provenance, default), path, msg)
+
+
+def _allowed_keys(schema: type[BaseModel], loc: tuple[Any, ...]) -> list[str]:
+    for part in loc:
+        f = schema.model_fields.get(str(part)) if isinstance(part, str) else None
+        ann = getattr(f, "annotation", None) if f else None
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            schema = ann
+        elif isinstance(part, int):
+            continue
+        else:
+            return []
+    return sorted(schema.model_fields)
+
+
+def load_config(
+    params: str | Path = DEFAULT_PARAMS,
+    layers: tuple[str, ...] = PRETRAIN_LAYERS,
+    select: dict[str, str] | None = None,
+    overrides: list[str] | None = None,
+    check_cross: bool = True,
+) -> Config:
+    """Read params.yaml, the selected layer files and the overrides; validate; run cross-layer checks."""
+    params_path = Path(params)
+    root = params_path.parent
+    p = _read_yaml(params_path, "params") if params_path.exists() else {}
+    selected = dict(p.get("config") or {})
+    selected.update({k: v for k, v in (select or {}).items() if v})
+
+    raw: dict[str, dict[str, Any]] = {}
+    provenance: dict[str, str] = {}
+    files: dict[str, str] = {}
+    for layer in layers:
+        if layer not in selected:
+            raise ConfigError(str(params_path), f"config.{layer}", f"no {layer} config selected; name a file from {CONFIG_DIR}/{layer}/")
+        path = layer_path(layer, str(selected[layer]), root)
+        rel = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+        files[layer] = rel
+        raw[layer] = _read_yaml(path, layer)
+        for k in _flatten(raw[layer]):
+            provenance[f"{layer}.{k}"] = rel
+
+    set_sources = [(f"{params_path.name} (set)", p.get("set") or {}), ("--set", parse_set(overrides))]
+    for source, sets in set_sources:
+        if not isinstance(sets, dict):
+            raise ConfigError(source, "set", "expected a mapping of section.key to value")
+        for key, value in sets.items():
+            layer = str(key).split(".", 1)[0]
+            if "." not in str(key) or layer not in LAYERS:
+                raise ConfigError(source, str(key), f"expected section.key with section one of: {', '.join(LAYERS)}")
+            if layer not in layers:
+                continue  # an override for a layer this command does not read
+            _set_dotted(raw[layer], str(key).split(".", 1)[1], value)
+            provenance[str(key)] = source
+            for k in list(provenance):
+                if k.startswith(f"{key}.") and provenance[k] != source:
+                    del provenance[k]
+
+    built: dict[str, BaseModel] = {}
+    for layer in layers:
+        try:
+            built[layer] = LAYERS[layer].model_validate(raw[layer])
+        except ValidationError as e:
+            raise _validation_error(e, layer, provenance, files[layer]) from None
+        for k in _flatten(built[layer].model_dump(mode="json")):
+            provenance.setdefault(f"{layer}.{k}", "default")
+
+    try:
+        ev = EvalConfig.model_validate(p.get("eval") or {})
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise ConfigError(str(params_path), "eval." + ".".join(map(str, err["loc"])), err["msg"]) from None
+
+    cfg = Config(layers=built, provenance=provenance, files=files, eval=ev)
+    if check_cross:
+        from .checks import cross_layer_checks
+
+        cross_layer_checks(cfg)
+    return cfg
+
+
+def show(cfg: Config) -> str:
+    """The resolved config as YAML, each value annotated with the layer it came from."""
+    lines: list[str] = [f"# config hash: {cfg.hash}"]
+
+    def emit(d: dict[str, Any], prefix: str, indent: int) -> None:
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            pad = "  " * indent
+            if isinstance(v, dict) and v:
+                lines.append(f"{pad}{k}:")
+                emit(v, key + ".", indent + 1)
+            else:
+                scalar = json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict, str)) else yaml.safe_dump(v).strip().removesuffix("\n...")
+                lines.append(f"{pad}{k}: {scalar}  # {cfg.provenance.get(key, 'default')}")
+
+    emit(cfg.to_dict(), "", 0)
+    return "\n".join(lines) + "\n"
+
+
+def save_resolved(cfg: Config, path: Path) -> None:
+    """Every output that depends on a config carries the resolved config and its hash beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"hash": cfg.hash, "files": cfg.files, "config": cfg.to_dict()}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
+    tmp.replace(path)

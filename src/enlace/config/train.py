@@ -1,0 +1,64 @@
+"""Train layer: optimisation, schedule, batch geometry, checkpoints and logging."""
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from .base import Strict
+
+
+class OptimizerConfig(Strict):
+    lr: float = Field(default=3e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    # Embeddings are looked up, not multiplied: decaying them mostly shrinks rare tokens.
+    decay_embeddings: bool = False
+    grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
+
+
+class ScheduleConfig(Strict):
+    """Warmup-stable-decay: linear warmup, a flat plateau, then a decay to final_lr_frac * lr."""
+
+    warmup_steps: int = Field(default=100, ge=0)
+    decay_steps: int = Field(default=200, ge=0)
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    final_lr_frac: float = Field(default=0.0, ge=0, le=1)
+
+
+class CheckpointConfig(Strict):
+    every: int = Field(default=100, gt=0)
+    keep_last: int = Field(default=2, ge=1)
+    # On a corrupted latest checkpoint: stop with an error (false) or resume from the previous one (true).
+    fallback_on_corrupt: bool = False
+
+
+class TrainConfig(Strict):
+    name: str
+    seed: int = 1337
+    # "bytes": the smoke stage reads raw UTF-8 bytes (vocab 256); "shards": token shards from `enlace shard`.
+    loader: Literal["bytes", "shards"] = "shards"
+    max_steps: int = Field(gt=0)
+    micro_batch_size: int = Field(gt=0)
+    grad_accum_steps: int = Field(default=1, gt=0)
+    global_batch_size: int = Field(gt=0)
+    # Data-parallel processes the batch geometry is planned for (torchrun's WORLD_SIZE must match).
+    world_size: int = Field(default=1, gt=0)
+    optimizer: OptimizerConfig = OptimizerConfig()
+    schedule: ScheduleConfig = ScheduleConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    log_every: int = Field(default=10, gt=0)
+    eval_every: int = Field(default=0, ge=0)  # 0: only at the end
+    eval_batches: int = Field(default=8, gt=0)
+    # Non-finite losses or gradients tolerated in a row before the run stops.
+    max_nonfinite_in_row: int = Field(default=5, gt=0)
+
+    @model_validator(mode="after")
+    def _check_geometry(self) -> "TrainConfig":
+        got = self.micro_batch_size * self.grad_accum_steps * self.world_size
+        if got != self.global_batch_size:
+            raise ValueError(
+                f"micro_batch_size ({self.micro_batch_size}) x grad_accum_steps ({self.grad_accum_steps}) "
+                f"x world_size ({self.world_size}) = {got}, but global_batch_size is {self.global_batch_size}"
+            )
+        return self

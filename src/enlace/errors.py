@@ -1,0 +1,27 @@
+"""User-facing errors: the CLI prints them as one line and exits with status 2, without a traceback."""
+
+
+class EnlaceError(Exception):
+    """An error caused by the user's input (config, data, files), not by a bug."""
+
+    exit_code = 2
+
+
+class ConfigError(EnlaceError):
+    """A config value is invalid. Names the file and the dotted field path."""
+
+    def __init__(self, source: str, field: str, message: str):
+        self.source, self.field, self.message = source, field, message
+        super().__init__(f"{source}: {field}: {message}")
+
+
+class DataError(EnlaceError):
+    """Input data is missing, empty, corrupted or does not match what was expected."""
+
+
+class CheckpointError(EnlaceError):
+    """A checkpoint is incomplete, corrupted, or does not belong to this run."""
+
+
+class HardwareError(EnlaceError):
+    """The selected hardware profile does not match the device this process runs on."""

@@ -1,0 +1,11 @@
+"""Where each stage reads and writes, relative to the repository root. DVC tracks these folders."""
+
+from pathlib import Path
+
+DATA = Path("data")
+RAW = DATA / "raw"  # downloaded packages and files, verified by checksum
+CORPUS = DATA / "corpus"  # clean documents: train.jsonl, val.jsonl, manifest.json
+TOKENIZER = DATA / "tokenizer"  # tokenizer.model, tokenizer.vocab, report.json
+SHARDS = DATA / "shards"  # train-*.bin, val-*.bin, manifest.json
+MODELS = Path("models")  # imported base models (Hugging Face folders)
+RUNS = Path("runs")  # checkpoints, metrics and plots of each stage
