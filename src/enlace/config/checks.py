@@ -21,9 +21,17 @@ def check_model(cfg: Config) -> None:
     if m.d_model % m.n_head:
         raise _fail(cfg, "model.n_head", f"d_model {m.d_model} is not divisible by n_head {m.n_head}")
     if m.n_head % m.n_kv_head:
-        raise _fail(cfg, "model.n_kv_head", f"n_head {m.n_head} is not divisible by n_kv_head {m.n_kv_head} (GQA groups)")
+        raise _fail(
+            cfg,
+            "model.n_kv_head",
+            f"n_head {m.n_head} is not divisible by n_kv_head {m.n_kv_head} (GQA groups)",
+        )
     if m.head_dim % 2:
-        raise _fail(cfg, "model.n_head", f"head_dim d_model/n_head = {m.head_dim} is odd; RoPE rotates pairs and needs it even")
+        raise _fail(
+            cfg,
+            "model.n_head",
+            f"head_dim d_model/n_head = {m.head_dim} is odd; RoPE rotates pairs and needs it even",
+        )
 
 
 def check_train(cfg: Config) -> None:
@@ -41,7 +49,11 @@ def check_train(cfg: Config) -> None:
 def check_hardware(cfg: Config) -> None:
     h = cfg.layers["hardware"]
     if h.dtype == "fp16" and not h.loss_scaler:
-        raise _fail(cfg, "hardware.loss_scaler", "dtype fp16 needs a loss scaler (loss_scaler: true); fp16 gradients underflow without one")
+        raise _fail(
+            cfg,
+            "hardware.loss_scaler",
+            "dtype fp16 needs a loss scaler (loss_scaler: true); fp16 gradients underflow without one",
+        )
     if h.dtype == "fp16" and h.device == "cpu":
         raise _fail(cfg, "hardware.dtype", "fp16 training is for CUDA devices; use fp32 or bf16 on cpu")
     if h.dtype == "bf16" and h.device == "cuda":
@@ -55,14 +67,22 @@ def check_hardware(cfg: Config) -> None:
     if h.loss_scaler and h.dtype != "fp16":
         raise _fail(cfg, "hardware.loss_scaler", f"a loss scaler is only for fp16, not {h.dtype}")
     if h.sdpa_backend == "flash" and h.device == "cuda" and (h.min_compute_capability or (0, 0)) < (8, 0):
-        raise _fail(cfg, "hardware.sdpa_backend", "the flash SDPA backend needs compute capability >= 8.0; use 'efficient'")
+        raise _fail(
+            cfg,
+            "hardware.sdpa_backend",
+            "the flash SDPA backend needs compute capability >= 8.0; use 'efficient'",
+        )
 
 
 def check_data_vs_model(cfg: Config) -> None:
     m, t, d = cfg.layers["model"], cfg.layers["train"], cfg.layers["data"]
     if t.loader == "bytes":
         if m.vocab_size != 256:
-            raise _fail(cfg, "model.vocab_size", f"the byte loader yields 256 symbols, but vocab_size is {m.vocab_size}")
+            raise _fail(
+                cfg,
+                "model.vocab_size",
+                f"the byte loader yields 256 symbols, but vocab_size is {m.vocab_size}",
+            )
         return
     dtype = d.shard_dtype
     if d.tokenizer.vocab_size > DTYPE_MAX_VOCAB[dtype]:

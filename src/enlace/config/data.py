@@ -6,7 +6,9 @@ from pydantic import Field
 
 from .base import Strict
 
-Extractor = Literal["auto", "html", "man", "gettext", "sword", "fortune", "text", "parquet", "jsonl", "mallard"]
+Extractor = Literal[
+    "auto", "html", "man", "gettext", "sword", "fortune", "text", "parquet", "jsonl", "mallard"
+]
 
 
 class _SourceBase(Strict):

@@ -143,7 +143,9 @@ def _source_for(loc: tuple[Any, ...], layer: str, provenance: dict[str, str], de
     return default
 
 
-def _validation_error(e: ValidationError, layer: str, provenance: dict[str, str], default: str) -> ConfigError:
+def _validation_error(
+    e: ValidationError, layer: str, provenance: dict[str, str], default: str
+) -> ConfigError:
     err = e.errors(include_url=False)[0]
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("deb", "url", "hf", "local")))
     path = ".".join([layer, *map(str, loc)])
@@ -191,7 +193,11 @@ def load_config(
     files: dict[str, str] = {}
     for layer in layers:
         if layer not in selected:
-            raise ConfigError(str(params_path), f"config.{layer}", f"no {layer} config selected; name a file from {CONFIG_DIR}/{layer}/")
+            raise ConfigError(
+                str(params_path),
+                f"config.{layer}",
+                f"no {layer} config selected; name a file from {CONFIG_DIR}/{layer}/",
+            )
         path = layer_path(layer, str(selected[layer]), root)
         rel = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
         files[layer] = rel
@@ -206,7 +212,9 @@ def load_config(
         for key, value in sets.items():
             layer = str(key).split(".", 1)[0]
             if "." not in str(key) or layer not in LAYERS:
-                raise ConfigError(source, str(key), f"expected section.key with section one of: {', '.join(LAYERS)}")
+                raise ConfigError(
+                    source, str(key), f"expected section.key with section one of: {', '.join(LAYERS)}"
+                )
             if layer not in layers:
                 continue  # an override for a layer this command does not read
             _set_dotted(raw[layer], str(key).split(".", 1)[1], value)
@@ -250,7 +258,11 @@ def show(cfg: Config) -> str:
                 lines.append(f"{pad}{k}:")
                 emit(v, key + ".", indent + 1)
             else:
-                scalar = json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict, str)) else yaml.safe_dump(v).strip().removesuffix("\n...")
+                scalar = (
+                    json.dumps(v, ensure_ascii=False)
+                    if isinstance(v, (list, dict, str))
+                    else yaml.safe_dump(v).strip().removesuffix("\n...")
+                )
                 lines.append(f"{pad}{k}: {scalar}  # {cfg.provenance.get(key, 'default')}")
 
     emit(cfg.to_dict(), "", 0)

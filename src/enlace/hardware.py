@@ -1,0 +1,106 @@
+"""Hardware profiles checked against the real device, and the runtime settings they imply."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .config.hardware import HardwareConfig
+from .errors import HardwareError
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: str
+    name: str
+    compute_capability: tuple[int, int] | None
+    memory_gib: float | None
+    torch: str
+    cuda: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sdpa_backend_available(backend: str, cc: tuple[int, int]) -> bool:
+    # Flash and cuDNN attention kernels exist for sm_80 and newer only; memory-efficient from sm_50.
+    if backend in ("flash", "cudnn"):
+        return cc >= (8, 0)
+    return True
+
+
+def check_device(hw: HardwareConfig, source: str = "hardware profile") -> DeviceInfo:
+    """Fail at once, with one line naming the profile, if the device cannot run it as configured."""
+    if hw.device == "cpu":
+        return DeviceInfo("cpu", "cpu", None, None, torch.__version__, None)
+    where = f"{source}: hardware.device"
+    if not torch.cuda.is_available():
+        built = torch.version.cuda or "CPU only"
+        raise HardwareError(
+            f"{where}: profile '{hw.name}' needs a CUDA GPU, but none is available "
+            f"(torch {torch.__version__}, built for {built}); use --hardware cpu or run on the GPU machine"
+        )
+    props = torch.cuda.get_device_properties(0)
+    cc = (props.major, props.minor)
+    mem = props.total_memory / 2**30
+    if hw.min_compute_capability and cc < tuple(hw.min_compute_capability):
+        raise HardwareError(
+            f"{source}: hardware.min_compute_capability: profile '{hw.name}' needs sm_{''.join(map(str, hw.min_compute_capability))}"
+            f" or newer, found {props.name} (sm_{cc[0]}{cc[1]})"
+        )
+    # Decide bf16 by compute capability: torch.cuda.is_bf16_supported() is True on Turing (emulated).
+    if hw.dtype == "bf16" and cc < (8, 0):
+        raise HardwareError(
+            f"{source}: hardware.dtype: bf16 needs sm_80 or newer, {props.name} is sm_{cc[0]}{cc[1]}; use fp16"
+        )
+    if hw.sdpa_backend != "auto" and not _sdpa_backend_available(hw.sdpa_backend, cc):
+        raise HardwareError(
+            f"{source}: hardware.sdpa_backend: '{hw.sdpa_backend}' attention has no kernel for sm_{cc[0]}{cc[1]}; use 'efficient'"
+        )
+    if mem < 0.9 * hw.memory_gib:
+        raise HardwareError(
+            f"{source}: hardware.memory_gib: profile plans for {hw.memory_gib} GiB, {props.name} has {mem:.1f} GiB"
+        )
+    return DeviceInfo("cuda", props.name, cc, round(mem, 2), torch.__version__, torch.version.cuda)
+
+
+def setup_runtime(hw: HardwareConfig) -> torch.device:
+    """Threads and determinism switches; returns the torch device to use."""
+    if hw.num_threads:
+        torch.set_num_threads(hw.num_threads)
+    if hw.deterministic:
+        # Required by cuBLAS for deterministic matmuls; harmless on CPU.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if hw.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def autocast(hw: HardwareConfig):
+    """Mixed precision lives here, not in the model: fp32 runs without autocast."""
+    if hw.dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=hw.device, dtype=DTYPES[hw.dtype])
+
+
+def sdpa_backend(hw: HardwareConfig):
+    """Pin scaled_dot_product_attention to the profile's backend ("auto": PyTorch chooses)."""
+    if hw.sdpa_backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {
+        "math": SDPBackend.MATH,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+    }[hw.sdpa_backend]
+    return sdpa_kernel([backend])

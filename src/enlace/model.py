@@ -1,0 +1,249 @@
+"""A Llama-style decoder in one file.
+
+RMSNorm, SwiGLU, rotary embeddings in the Hugging Face half-split convention, grouped-query attention,
+optional QK-norm and z-loss, tied input/output embeddings, and a KV cache for generation.
+
+Module names mirror Hugging Face's LlamaForCausalLM (and Qwen3's q_norm/k_norm), so a state dict maps
+one to one: `model.layers.3.self_attn.q_proj.weight` here is the same tensor there. Precision and
+parallelism are the trainer's business; this file only describes the computation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config.model import ModelConfig
+
+IGNORE_INDEX = -100  # label value that contributes nothing to the loss (prompt tokens, padding)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32: under fp16 autocast the mean of squares overflows easily.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_cos_sin(head_dim: int, positions: torch.Tensor, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [T, head_dim], the two halves repeated (half-split convention)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = torch.outer(positions.float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (i, i + head_dim/2) of x [B, H, T, D] by position-dependent angles."""
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+@dataclass
+class KVCache:
+    """Preallocated keys and values per layer; `pos` is how many positions are filled."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    pos: int = 0
+
+    @classmethod
+    def empty(
+        cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype
+    ) -> KVCache:
+        shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
+        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        return cls(k, v)
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        # QK-norm (as in Qwen3): RMSNorm over head_dim bounds the attention logits.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.dropout = cfg.dropout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+        layer: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        mask, causal = None, True
+        if cache is not None:
+            start = cache.pos
+            cache.k[layer][:, :, start : start + T] = k
+            cache.v[layer][:, :, start : start + T] = v
+            k, v = cache.k[layer][:, :, : start + T], cache.v[layer][:, :, : start + T]
+            if start > 0:
+                # New queries see every cached position and the causal part of their own chunk.
+                causal = False
+                if T > 1:
+                    i = torch.arange(T, device=x.device)[:, None] + start
+                    mask = torch.arange(start + T, device=x.device)[None, :] <= i
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal and mask is None,
+            dropout_p=self.dropout if self.training else 0.0,
+            # GQA without materialising repeated KV heads, where the backend supports it.
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+
+    def forward(self, x, cos, sin, cache=None, layer=0):
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None  # ce + z_loss_weight * z_loss: what backward() sees
+    ce: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                # Residual-branch outputs: scaled so the residual stream's variance does not grow with depth.
+                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
+            else:
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied weights are counted once
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Output:
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if start + T > (cache.max_len if cache is not None else self.cfg.seq_len):
+            raise ValueError(f"sequence of {start + T} tokens exceeds the window of {self.cfg.seq_len}")
+        positions = torch.arange(start, start + T, device=idx.device)
+        cos, sin = rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_theta)
+        x = self.model.embed_tokens(idx)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for i, block in enumerate(self.model.layers):
+            x = block(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        logits = self.lm_head(self.model.norm(x))
+        if targets is None:
+            return Output(logits)
+        return Output(logits, *lm_loss(logits, targets, self.cfg.z_loss_weight))
+
+
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, z_loss_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cross-entropy over positions whose target is not IGNORE_INDEX, plus z-loss.
+
+    z-loss (PaLM; Wortsman et al. 2023) penalises log Z = logsumexp(logits) squared, which keeps the
+    softmax normaliser near 1 and prevents the output-logit divergence seen in low-precision training.
+    """
+    logits = logits.float().view(-1, logits.size(-1))
+    targets = targets.reshape(-1)
+    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+    keep = targets != IGNORE_INDEX
+    z = torch.logsumexp(logits[keep], dim=-1).pow(2).mean() if keep.any() else logits.sum() * 0.0
+    return ce + z_loss_weight * z, ce, z
+
+
+def closed_form_num_parameters(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone; a test holds the module to it."""
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * cfg.n_head * hd * 2 + d * cfg.n_kv_head * hd * 2  # q, o and k, v
+    mlp = 3 * d * cfg.ffn_dim
+    norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
+    embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return cfg.n_layer * (attn + mlp + norms) + embed + d
