@@ -36,6 +36,8 @@ class DebSource(_SourceBase):
 class UrlSource(_SourceBase):
     kind: Literal["url"]
     url: str
+    # File name under data/raw/url/<name>/; null takes the last part of the URL path.
+    filename: str | None = None
     sha256: str | None = None
     timeout_s: float = Field(default=60.0, gt=0)
     retries: int = Field(default=3, ge=0)
@@ -68,6 +70,9 @@ class CleaningConfig(Strict):
     language_filter: bool = True
     dedup: bool = True
     min_doc_chars: int = Field(default=200, ge=0)
+    # Longer documents are cut at paragraph boundaries: a whole manual as one document would put all of it
+    # on one side of the train/val split.
+    max_doc_chars: int = Field(default=20000, gt=0)
 
 
 class TokenizerConfig(Strict):
@@ -79,6 +84,9 @@ class TokenizerConfig(Strict):
     # Characters of the training split sampled for tokenizer training (0: all).
     input_sentence_size: int = Field(default=0, ge=0)
     user_defined_symbols: list[str] = ["<|im_start|>", "<|im_end|>"]
+    split_digits: bool = True
+    # Fixed so that training is reproducible: the same input and thread count give the same model.
+    num_threads: int = Field(default=2, ge=1)
 
 
 class ShardConfig(Strict):

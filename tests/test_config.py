@@ -1,0 +1,156 @@
+"""Layered configs: every invalid config fails with status 2 and names its file and field."""
+
+import pytest
+
+from enlace.cli import main
+from enlace.config import load_config, show
+from enlace.errors import ConfigError
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+INVALID = [
+    # (overrides, field named in the error, words the message must contain)
+    (["model.n_head=3"], "model.n_head", "not divisible by n_head"),
+    (["model.n_kv_head=3"], "model.n_kv_head", "not divisible by n_kv_head"),
+    (["model.d_model=96", "model.n_head=32", "model.n_kv_head=8"], "model.n_head", "odd"),
+    (
+        ["data.shard.dtype=uint16", "data.tokenizer.vocab_size=70000", "model.vocab_size=70000"],
+        "data.shard.dtype",
+        "does not fit uint16",
+    ),
+    (["data.tokenizer.vocab_size=4096"], "data.tokenizer.vocab_size", "differs from model vocab_size"),
+    (
+        ["train.schedule.warmup_steps=300", "train.schedule.decay_steps=200"],
+        "train.schedule.decay_steps",
+        "exceeds max_steps",
+    ),
+    (["train.grad_accum_steps=3"], "train", "global_batch_size"),
+    (["hardware.dtype=fp16"], "hardware.loss_scaler", "needs a loss scaler"),
+    (["hardware.dtype=fp8"], "hardware.dtype", "'fp32', 'fp16' or 'bf16'"),
+    (["model.n_layer=zero"], "model.n_layer", "integer"),
+    (["model.n_layer=0"], "model.n_layer", "greater than 0"),
+    (["model.colour=blue"], "model.colour", "unknown key"),
+    (["train.optimizer.momentum=0.9"], "train.optimizer.momentum", "allowed: betas"),
+    (["train.schedule.decay_shape=exp"], "train.schedule.decay_shape", "'linear', 'cosine' or '1-sqrt'"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,words", INVALID)
+def test_invalid_config_exits_2_naming_field(capsys, overrides, field, words):
+    args = ["config", "check"]
+    for o in overrides:
+        args += ["--set", o]
+    code, out, err = run_cli(capsys, *args)
+    assert code == 2
+    assert f": {field}" in err and words in err
+    assert "Traceback" not in err and err.count("\n") == 1  # one line, no traceback
+
+
+def test_error_names_the_layer_file_that_set_the_value(tmp_path, capsys):
+    bad = tmp_path / "bad-model.yaml"
+    bad.write_text(
+        "name: bad\nvocab_size: 8192\nn_layer: 2\nn_head: 5\nn_kv_head: 1\nd_model: 256\nseq_len: 64\n"
+    )
+    code, _, err = run_cli(capsys, "config", "check", "--model", str(bad))
+    assert code == 2 and f"{bad}: model.n_head: d_model 256 is not divisible by n_head 5" in err
+
+
+def test_bf16_on_a_turing_profile_is_refused(capsys):
+    code, _, err = run_cli(
+        capsys,
+        "config",
+        "check",
+        "--hardware",
+        "rtx2060",
+        "--set",
+        "hardware.dtype=bf16",
+        "--set",
+        "hardware.loss_scaler=false",
+    )
+    assert code == 2 and "hardware.dtype" in err and "compute capability >= 8.0" in err
+
+
+def test_unknown_nested_data_source_key(tmp_path, capsys):
+    bad = tmp_path / "d.yaml"
+    bad.write_text(
+        "name: d\nsources:\n  - {name: x, kind: local, path: /tmp, colour: red}\ntokenizer: {vocab_size: 8192}\n"
+    )
+    code, _, err = run_cli(capsys, "config", "check", "--data", str(bad))
+    assert code == 2 and "data.sources.0.colour: unknown key" in err and str(bad) in err
+
+
+def test_missing_file_and_invalid_yaml(tmp_path, capsys):
+    code, _, err = run_cli(capsys, "config", "check", "--model", "does-not-exist")
+    assert code == 2 and "configs/model/does-not-exist.yaml" in err and "file not found" in err
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("name: [unclosed\n")
+    code, _, err = run_cli(capsys, "config", "check", "--train", str(broken))
+    assert code == 2 and "not valid YAML" in err
+
+
+def test_malformed_set_is_a_user_error(capsys):
+    code, _, err = run_cli(capsys, "config", "check", "--set", "model.n_layer")
+    assert code == 2 and "section.key=value" in err
+    code, _, err = run_cli(capsys, "config", "check", "--set", "nolayer=1")
+    assert code == 2 and "section one of" in err
+
+
+def test_show_names_the_origin_of_each_value(capsys):
+    code, out, _ = run_cli(capsys, "config", "show", "--set", "train.max_steps=500")
+    assert code == 0
+    assert "max_steps: 500  # --set" in out
+    assert "n_layer: 6  # configs/model/cpu-small.yaml" in out
+    assert "min_compute_capability: null  # default" in out
+
+
+def test_stage_selection_and_override_precedence():
+    smoke = load_config("params.yaml", select={"model": "smoke", "train": "smoke"})
+    assert smoke.model.vocab_size == 256 and smoke.files["model"] == "configs/model/smoke.yaml"
+    cfg = load_config("params.yaml", overrides=["train.optimizer.lr=0.01"])
+    assert cfg.train.optimizer.lr == 0.01 and cfg.provenance["train.optimizer.lr"] == "--set"
+
+
+def test_hash_is_stable_and_changes_with_any_value():
+    a, b = load_config("params.yaml"), load_config("params.yaml")
+    assert a.hash == b.hash and len(a.hash) == 16
+    c = load_config("params.yaml", overrides=["train.seed=1"])
+    assert c.hash != a.hash and c.section_hash("model") == a.section_hash("model")
+    assert "# config hash: " + a.hash in show(a)
+
+
+def test_shipped_configs_all_validate():
+    for hw in ("cpu", "rtx2060", "rtx5090"):
+        load_config("params.yaml", layers=("hardware",), select={"hardware": hw})
+    for model, train in (("tiny-50m", "tiny-50m-2060"), ("tiny-50m", "tiny-50m-5090")):
+        cfg = load_config("params.yaml", layers=("model", "train"), select={"model": model, "train": train})
+        assert cfg.model.seq_len == 2048
+
+
+def test_config_error_carries_file_and_field():
+    with pytest.raises(ConfigError) as e:
+        load_config("params.yaml", overrides=["model.n_kv_head=3"])
+    assert e.value.field == "model.n_kv_head" and e.value.source == "--set"
+
+
+def test_rtx2060_profile_fails_at_once_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = run_cli(capsys, "hardware", "check", "--hardware", "rtx2060")
+    assert code == 2 and "configs/hardware/rtx2060.yaml" in err and "needs a CUDA GPU" in err
+    code, out, _ = run_cli(capsys, "hardware", "check", "--hardware", "cpu")
+    assert code == 0 and '"ok": true' in out
+
+
+def test_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "fetch -> tokenize -> shard -> smoke -> pretrain -> eval" in out and "config" in out

@@ -1,0 +1,170 @@
+"""The decoder: parameter count, causality, GQA, RoPE convention, QK-norm, z-loss, tying, KV cache."""
+
+import math
+
+import pytest
+import torch
+
+from enlace.config import load_config
+from enlace.config.model import ModelConfig
+from enlace.model import KVCache, Llama, apply_rope, closed_form_num_parameters, rope_cos_sin
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(
+        name="t", vocab_size=97, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=24, qk_norm=True
+    )
+    return ModelConfig(**{**base, **kw})
+
+
+def build(cfg: ModelConfig, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(cfg).eval()
+
+
+def test_tiny_50m_parameter_count_matches_closed_form():
+    cfg = load_config("params.yaml", layers=("model",), select={"model": "tiny-50m"}).model
+    model = Llama(cfg)
+    assert model.num_parameters() == closed_form_num_parameters(cfg) == 50_608_128  # quoted in the README
+    # Tying: the embedding is counted once; untied would add vocab x d_model.
+    untied = cfg.model_copy(update={"tie_embeddings": False})
+    assert closed_form_num_parameters(untied) - closed_form_num_parameters(cfg) == 32768 * 512
+
+
+@pytest.mark.parametrize("cfg_name", ["smoke", "cpu-small"])
+def test_shipped_models_match_closed_form(cfg_name):
+    cfg = load_config("params.yaml", layers=("model",), select={"model": cfg_name}).model
+    assert Llama(cfg).num_parameters() == closed_form_num_parameters(cfg)
+
+
+def test_causality_changing_token_t_never_changes_earlier_logits():
+    model = build(tiny())
+    x = torch.randint(0, 97, (2, 20))
+    base = model(x).logits
+    for t in (0, 7, 19):
+        y = x.clone()
+        y[:, t] = (y[:, t] + 1) % 97
+        out = model(y).logits
+        assert torch.equal(out[:, :t], base[:, :t])
+        assert not torch.allclose(out[:, t], base[:, t])
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+    gqa_cfg = tiny(n_head=4, n_kv_head=2)
+    gqa = build(gqa_cfg)
+    mha = build(tiny(n_head=4, n_kv_head=4), seed=1)
+    group = gqa_cfg.n_head // gqa_cfg.n_kv_head
+    hd = gqa_cfg.head_dim
+    state = {}
+    for name, tensor in gqa.state_dict().items():
+        if name.endswith(("k_proj.weight", "v_proj.weight")):
+            # KV head j serves query heads j*group .. (j+1)*group-1.
+            tensor = (
+                tensor.view(gqa_cfg.n_kv_head, hd, -1)
+                .repeat_interleave(group, dim=0)
+                .reshape(-1, tensor.shape[1])
+            )
+        state[name] = tensor
+    mha.load_state_dict(state)
+    x = torch.randint(0, 97, (3, 16))
+    torch.testing.assert_close(gqa(x).logits, mha(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_uses_half_split_pairs():
+    head_dim, theta, pos = 4, 100.0, 3
+    cos, sin = rope_cos_sin(head_dim, torch.tensor([pos]), theta)
+    e0 = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    e1 = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    # Dimension i pairs with i + head_dim/2 (not i+1, as in the interleaved GPT-J convention).
+    out0 = apply_rope(e0.view(1, 1, 1, 4), cos, sin).flatten()
+    torch.testing.assert_close(out0, torch.tensor([math.cos(pos), 0.0, math.sin(pos), 0.0]))
+    angle = pos * theta ** (-2 / head_dim)
+    out1 = apply_rope(e1.view(1, 1, 1, 4), cos, sin).flatten()
+    torch.testing.assert_close(out1, torch.tensor([0.0, math.cos(angle), 0.0, math.sin(angle)]))
+
+
+def test_rope_preserves_norm_and_position_zero_is_identity():
+    x = torch.randn(1, 2, 5, 8)
+    cos, sin = rope_cos_sin(8, torch.arange(5), 10000.0)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    torch.testing.assert_close(y[:, :, 0], x[:, :, 0])
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_norm_makes_attention_invariant_to_query_key_scale(qk_norm):
+    model = build(tiny(qk_norm=qk_norm))
+    x = torch.randint(0, 97, (2, 12))
+    before = model(x).logits
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.self_attn.q_proj.weight.mul_(5.0)
+            block.self_attn.k_proj.weight.mul_(5.0)
+    after = model(x).logits
+    assert torch.allclose(before, after, atol=1e-4) == qk_norm
+    if qk_norm:
+        assert "model.layers.0.self_attn.q_norm.weight" in model.state_dict()
+
+
+def test_z_loss_penalises_the_log_normaliser_only():
+    model = build(tiny(z_loss_weight=1e-2))
+    x = torch.randint(0, 97, (2, 12))
+    out = model(x, targets=x)
+    torch.testing.assert_close(out.loss, out.ce + 1e-2 * out.z_loss)
+    expected_z = torch.logsumexp(out.logits.float(), dim=-1).pow(2).mean()
+    torch.testing.assert_close(out.z_loss, expected_z)
+    # Shifting all logits by a constant leaves cross-entropy unchanged but moves z.
+    from enlace.model import lm_loss
+
+    _, ce2, z2 = lm_loss(out.logits + 3.0, x, 1e-2)
+    torch.testing.assert_close(ce2, out.ce)
+    assert z2 > out.z_loss
+    # Without z-loss, the loss is plain cross-entropy.
+    plain = build(tiny(z_loss_weight=0.0))(x, targets=x)
+    torch.testing.assert_close(plain.loss, plain.ce)
+
+
+def test_ignored_targets_do_not_count():
+    model = build(tiny())
+    x = torch.randint(0, 97, (1, 10))
+    t = x.clone()
+    t[:, :5] = -100
+    out = model(x, targets=t)
+    ref = torch.nn.functional.cross_entropy(out.logits[0, 5:], x[0, 5:])
+    torch.testing.assert_close(out.ce, ref)
+
+
+def test_tied_weights_share_storage():
+    model = build(tiny(tie_embeddings=True))
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    untied = build(tiny(tie_embeddings=False))
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_kv_cache_decoding_equals_full_recomputation():
+    model = build(tiny())
+    x = torch.randint(0, 97, (2, 20))
+    full = model(x).logits
+    cache = KVCache.empty(model.cfg, 2, 20, x.device, torch.float32)
+    pieces = [model(x[:, :8], cache=cache).logits]  # prefill
+    pieces.append(model(x[:, 8:11], cache=cache).logits)  # a chunk after a prefix
+    for t in range(11, 20):  # one token at a time
+        pieces.append(model(x[:, t : t + 1], cache=cache).logits)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_sequence_longer_than_window_is_refused():
+    model = build(tiny(seq_len=8))
+    with pytest.raises(ValueError, match="exceeds the window"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_weight_names_map_onto_hugging_face_llama():
+    names = set(build(tiny(qk_norm=False, tie_embeddings=False)).state_dict())
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        expected |= {p + s + ".weight" for s in ("input_layernorm", "post_attention_layernorm")}
+        expected |= {f"{p}self_attn.{n}_proj.weight" for n in "qkvo"}
+        expected |= {f"{p}mlp.{n}_proj.weight" for n in ("gate", "up", "down")}
+    assert names == expected
