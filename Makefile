@@ -7,6 +7,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 export DVC_NO_ANALYTICS := 1
 export PYTHONUNBUFFERED := 1
+# dvc.yaml calls `enlace`: the venv comes first on PATH.
+export PATH := $(abspath $(BIN)):$(PATH)
 
 .PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 clean
 

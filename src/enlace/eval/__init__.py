@@ -1,0 +1,1 @@
+"""Evaluation of trained models: validation metrics and sampled continuations."""
