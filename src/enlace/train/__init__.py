@@ -1,0 +1,1 @@
+"""Pretraining: the loop, its optimizer and schedule, checkpoints, and the smoke/pretrain stages."""

@@ -1,0 +1,64 @@
+"""Warmup-stable-decay (WSD) learning-rate schedule as a pure function of the step.
+
+Steps are 0-based optimizer steps: step s is the update that turns s completed steps into s + 1.
+Warmup rises linearly to the peak over `warmup_steps` (the first update already gets peak/warmup, never 0);
+the plateau holds the peak; the last `decay_steps` updates anneal towards final_lr_frac * peak, reaching it
+exactly at step == max_steps (one past the last update), so no update is wasted at lr 0.
+
+The schedule depends on max_steps: extending a finished run (a higher max_steps) moves the decay later,
+so the resumed run re-warms from the annealed lr to the plateau. That is accepted on purpose (WSD's plateau
+makes continuation cheap); resuming past the target is what the trainer refuses.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config.train import TrainConfig
+
+SHAPES = ("linear", "cosine", "1-sqrt")
+
+
+def decay_factor(progress: float, shape: str) -> float:
+    """1 at the start of the decay (progress 0), 0 at its end (progress 1)."""
+    p = min(max(progress, 0.0), 1.0)
+    if shape == "linear":
+        return 1.0 - p
+    if shape == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * p))
+    if shape == "1-sqrt":
+        return 1.0 - math.sqrt(p)
+    raise ValueError(f"unknown decay shape {shape!r}; expected one of {SHAPES}")
+
+
+def wsd_lr(
+    step: int,
+    *,
+    max_steps: int,
+    peak_lr: float,
+    warmup_steps: int,
+    decay_steps: int,
+    decay_shape: str = "1-sqrt",
+    final_lr_frac: float = 0.0,
+) -> float:
+    if step < warmup_steps:
+        return peak_lr * (step + 1) / warmup_steps
+    decay_start = max_steps - decay_steps
+    if decay_steps == 0 or step < decay_start:
+        return peak_lr
+    f = decay_factor((step - decay_start) / decay_steps, decay_shape)
+    return peak_lr * (final_lr_frac + (1.0 - final_lr_frac) * f)
+
+
+def lr_at(train: TrainConfig, step: int) -> float:
+    """The learning rate of optimizer step `step` under a train config."""
+    s = train.schedule
+    return wsd_lr(
+        step,
+        max_steps=train.max_steps,
+        peak_lr=train.optimizer.lr,
+        warmup_steps=s.warmup_steps,
+        decay_steps=s.decay_steps,
+        decay_shape=s.decay_shape,
+        final_lr_frac=s.final_lr_frac,
+    )
