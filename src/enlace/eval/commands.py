@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .. import paths
+from ..errors import EnlaceError
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -30,23 +31,25 @@ def _eval(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from ..generate import generate
 
-    if args.model:
+    model_dir = Path(args.model)
+    device = args.device
+    if (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
         from ..finetune.generation import load_for_generation
 
-        model, tok = load_for_generation(Path(args.model), Path(args.adapter) if args.adapter else None)
+        model, tok = load_for_generation(
+            model_dir, Path(args.adapter) if args.adapter else None, device=device
+        )
         ids = tok.encode_prompt(args.prompt, chat=not args.raw)
-        eos, decode, device = tok.eos_ids, tok.decode, "cpu"
-        prefix = "" if not args.raw else args.prompt
+        eos, decode = tok.eos_ids, tok.decode
+        prefix = args.prompt if args.raw else ""
     else:
-        from ..cli import load_cfg
-        from ..hardware import setup_runtime
         from ..text import codec_for
         from .evaluate import load_trained_model
 
-        cfg = load_cfg(args, layers=("hardware", "model", "train", "data"))
-        device = setup_runtime(cfg.hardware)
-        model, meta, _ = load_trained_model(Path(args.run_dir), device)
+        if args.adapter:
+            raise EnlaceError("--adapter applies to Hugging Face model folders; export the run first")
+        model, meta, _ = load_trained_model(model_dir, device)
         codec = codec_for(meta["config"]["train"]["loader"], paths.TOKENIZER)
         ids, eos, decode, prefix = codec.encode(args.prompt), codec.eos_ids, codec.decode, args.prompt
     sys.stdout.write(prefix)
@@ -75,6 +78,29 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """The end of `make run`: the metrics DVC tracks, and what the model writes."""
+    shown = False
+    for name, path in (
+        ("smoke", paths.RUNS / "smoke" / "metrics.json"),
+        ("eval", paths.RUNS / "eval" / "metrics.json"),
+        ("finetune-eval", paths.RUNS / "finetune" / "eval.json"),
+    ):
+        if path.exists():
+            shown = True
+            data = json.loads(path.read_text(encoding="utf-8"))
+            flat = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
+            print(f"== {name} ({path})")
+            print("   " + "  ".join(f"{k}={v}" for k, v in sorted(flat.items())))
+    samples = paths.RUNS / "eval" / "samples.md"
+    if samples.exists():
+        print(f"== samples ({samples})")
+        print(samples.read_text(encoding="utf-8").strip())
+    if not shown:
+        raise EnlaceError("no results yet: run `make run` (or `dvc repro`) first")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("eval", parents=[common], help="stage 6: val loss, perplexity, bits/byte, samples")
     p.add_argument(
@@ -85,12 +111,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     )
     p.set_defaults(handler=_eval)
 
-    p = sub.add_parser(
-        "generate", parents=[common], help="continue a prompt with a trained or imported model"
-    )
+    p = sub.add_parser("generate", help="continue a prompt with a trained or imported model")
     p.add_argument("prompt")
-    p.add_argument("--run-dir", default=str(paths.RUNS / "pretrain"), help="our run to sample from (default)")
-    p.add_argument("--model", default=None, help="a Hugging Face model folder instead of our run")
+    p.add_argument(
+        "--model",
+        default=str(paths.RUNS / "pretrain"),
+        help="our run folder (default runs/pretrain: its latest checkpoint) or a Hugging Face model folder",
+    )
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--adapter", default=None, help="a LoRA adapter folder (PEFT layout) for --model")
     p.add_argument("--raw", action="store_true", help="with --model: no chat template, plain continuation")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -99,3 +127,6 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(handler=_generate)
+
+    p = sub.add_parser("report", help="print the pipeline's metrics and samples")
+    p.set_defaults(handler=_report)
