@@ -1,0 +1,216 @@
+"""Train the sentencepiece tokenizer on the training split. `run_tokenize`."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .. import paths
+from ..config.data import TokenizerConfig
+from ..errors import DataError
+from .util import atomic_write_text, canonical_json, log, progress, sha256_file
+
+# Fixed special ids: the model, the loaders and the chat template all rely on them.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+SENTENCE_END = re.compile(r"(?<=[.!?;:])\s+")
+
+
+def read_docs(path: Path) -> Iterator[str]:
+    if not path.exists():
+        raise DataError(f"{path}: not found; run `enlace fetch` first")
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                yield json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise DataError(f"{path}:{lineno}: not a corpus line ({e})") from None
+
+
+def split_sentence(line: str, max_bytes: int) -> list[str]:
+    """Pieces of `line` of at most max_bytes UTF-8 bytes, cut at sentence ends, else spaces, else characters.
+
+    sentencepiece silently skips longer input lines, which would drop e.g. every Bible chapter.
+    """
+    if len(line.encode("utf-8")) <= max_bytes:
+        return [line]
+    out: list[str] = []
+    buf = ""
+    for unit in SENTENCE_END.split(line):
+        for part in _hard_split(unit, max_bytes):
+            cand = f"{buf} {part}" if buf else part
+            if len(cand.encode("utf-8")) <= max_bytes:
+                buf = cand
+            else:
+                if buf:
+                    out.append(buf)
+                buf = part
+    if buf:
+        out.append(buf)
+    return out
+
+
+def _hard_split(text: str, max_bytes: int) -> list[str]:
+    if len(text.encode("utf-8")) <= max_bytes:
+        return [text]
+    out: list[str] = []
+    words = text.split(" ")
+    buf = ""
+    for w in words:
+        while len(w.encode("utf-8")) > max_bytes:  # a single "word" longer than the limit
+            cut = len(w.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore"))
+            if buf:
+                out.append(buf)
+                buf = ""
+            out.append(w[:cut])
+            w = w[cut:]
+        cand = f"{buf} {w}" if buf else w
+        if len(cand.encode("utf-8")) <= max_bytes:
+            buf = cand
+        else:
+            out.append(buf)
+            buf = w
+    if buf:
+        out.append(buf)
+    return out
+
+
+def write_training_text(docs: Iterator[str], dest: Path, max_bytes: int) -> dict[str, int]:
+    """One sentence per line, in corpus order (a fixed input order keeps training deterministic)."""
+    stats = {"docs": 0, "lines": 0, "long_lines_split": 0, "pieces_from_long_lines": 0}
+    with open(dest, "w", encoding="utf-8") as f:
+        for doc in progress(docs, desc="tokenizer: prepare", unit="doc"):
+            stats["docs"] += 1
+            for line in doc.split("\n"):
+                line = line.strip()
+                if not line:
+                    continue
+                pieces = split_sentence(line, max_bytes)
+                if len(pieces) > 1:
+                    stats["long_lines_split"] += 1
+                    stats["pieces_from_long_lines"] += len(pieces)
+                for p in pieces:
+                    f.write(p + "\n")
+                    stats["lines"] += 1
+    if not stats["lines"]:
+        raise DataError("tokenizer: the training split has no text")
+    return stats
+
+
+def train_sentencepiece(text_file: Path, prefix: Path, cfg: TokenizerConfig) -> None:
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        input=str(text_file),
+        model_prefix=str(prefix),
+        model_type=cfg.type,
+        vocab_size=cfg.vocab_size,
+        character_coverage=cfg.character_coverage,
+        byte_fallback=True,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_piece="<pad>",
+        unk_piece="<unk>",
+        bos_piece="<s>",
+        eos_piece="</s>",
+        user_defined_symbols=list(cfg.user_defined_symbols),
+        max_sentence_length=cfg.max_sentence_length,
+        input_sentence_size=cfg.input_sentence_size,
+        shuffle_input_sentence=False,
+        split_digits=cfg.split_digits,
+        # Keep text as written: identity normalization (the corpus is NFC already) and no whitespace
+        # squeezing, so decode(encode(text)) == text and bits-per-byte are measured on the real bytes.
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        num_threads=cfg.num_threads,
+        train_extremely_large_corpus=False,
+        minloglevel=2,
+    )
+
+
+def evaluate(model_file: Path, docs: list[str]) -> dict[str, Any]:
+    """Chars per token and tokens per word on `docs`, against the byte-level baseline."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(model_file))
+    chars = sum(len(d) for d in docs)
+    nbytes = sum(len(d.encode("utf-8")) for d in docs)
+    words = sum(len(d.split()) for d in docs)
+    tokens = sum(len(ids) for ids in sp.encode(docs)) if docs else 0
+    unk = sum(ids.count(UNK_ID) for ids in sp.encode(docs)) if docs else 0
+    return {
+        "docs": len(docs),
+        "chars": chars,
+        "bytes": nbytes,
+        "words": words,
+        "tokens": tokens,
+        "unk_tokens": unk,
+        "chars_per_token": chars / tokens if tokens else None,
+        "bytes_per_token": nbytes / tokens if tokens else None,
+        "tokens_per_word": tokens / words if words else None,
+        # The byte-level model sees one token per byte: its chars per token is chars / bytes.
+        "byte_baseline": {
+            "bytes_per_char": nbytes / chars if chars else None,
+            "chars_per_token": chars / nbytes if nbytes else None,
+            "tokens_per_word": nbytes / words if words else None,
+        },
+        "compression_vs_bytes": nbytes / tokens if tokens else None,
+    }
+
+
+def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: str = "") -> dict[str, Any]:
+    """Train on corpus/train.jsonl, write out/tokenizer.model, tokenizer.vocab, report.json."""
+    t0 = time.perf_counter()
+    stages = progress(total=3, desc="tokenizer", unit="stage")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        text_file = Path(tmp) / "train.txt"
+        prep = write_training_text(read_docs(corpus / "train.jsonl"), text_file, cfg.max_sentence_length)
+        stages.update(1)
+        stages.set_postfix_str(f"training {cfg.type} vocab {cfg.vocab_size}")
+        t1 = time.perf_counter()
+        try:
+            train_sentencepiece(text_file, Path(tmp) / "tokenizer", cfg)
+        except RuntimeError as e:
+            raise DataError(f"tokenizer training failed on {corpus / 'train.jsonl'}: {e}") from None
+        t_train = time.perf_counter() - t1
+        stages.update(1)
+        for name in ("tokenizer.model", "tokenizer.vocab"):
+            shutil.copyfile(Path(tmp) / name, Path(tmp) / f"{name}.final")
+            (Path(tmp) / f"{name}.final").replace(out / name)
+    val_path = corpus / "val.jsonl"
+    val_docs = list(read_docs(val_path)) if val_path.exists() else []
+    ev = evaluate(out / "tokenizer.model", val_docs)
+    stages.update(1)
+    stages.close()
+    report = {
+        "config_hash": config_hash,
+        "type": cfg.type,
+        "vocab_size": cfg.vocab_size,
+        "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+        "user_defined_symbols": list(cfg.user_defined_symbols),
+        "model_sha256": sha256_file(out / "tokenizer.model"),
+        "training_input": prep,
+        "val": ev,
+    }
+    atomic_write_text(out / "report.json", canonical_json(report))
+    log(
+        f"tokenizer: {cfg.type} {cfg.vocab_size} trained in {t_train:.1f} s on {prep['lines']} lines "
+        f"({prep['long_lines_split']} long lines split); val {ev['chars_per_token'] or 0:.2f} chars/token, "
+        f"{ev['tokens_per_word'] or 0:.2f} tokens/word (bytes: {ev['byte_baseline']['tokens_per_word'] or 0:.2f}); "
+        f"total {time.perf_counter() - t0:.1f} s -> {out}"
+    )
+    return report
+
+
+def run_tokenize(cfg: Any) -> dict[str, Any]:
+    """`enlace tokenize`: train data/tokenizer from data/corpus."""
+    return build_tokenizer(cfg.data.tokenizer, paths.CORPUS, paths.TOKENIZER, cfg.section_hash("data"))
