@@ -176,3 +176,52 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_config(d: dict[str, dict[str, Any]], path: Path) -> Path:
+    path.write_text(json.dumps(d), encoding="utf-8")
+    return path
+
+
+def spawn_trainer(
+    config_json: Path,
+    run_dir: Path,
+    env: dict[str, str] | None = None,
+    stop_after: int | None = None,
+    nproc: int = 1,
+    port: int | None = None,
+):
+    """Start `python -m enlace.train.testing` (under torchrun when nproc > 1) as a subprocess."""
+    import os
+    import subprocess
+
+    cmd = [sys.executable]
+    if nproc > 1:
+        cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}", "-m"]
+    else:
+        cmd += ["-m"]
+    cmd += ["enlace.train.testing", str(config_json), str(run_dir)]
+    if stop_after is not None:
+        cmd += ["--stop-after", str(stop_after)]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint_digests(ckpt: Path) -> dict[str, str]:
+    from .checkpoint import sha256_file
+
+    return {p.name: sha256_file(p) for p in sorted(Path(ckpt).iterdir()) if p.is_file()}
+
+
+def logged_losses(run_dir: Path) -> list[tuple[int, float]]:
+    from .metrics import read_jsonl
+
+    return [(r["step"], r["loss"]) for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
