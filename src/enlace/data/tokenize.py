@@ -102,12 +102,26 @@ def write_training_text(docs: Iterator[str], dest: Path, max_bytes: int) -> dict
     return stats
 
 
+def _lines(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield line.rstrip("\n")
+
+
 def train_sentencepiece(text_file: Path, prefix: Path, cfg: TokenizerConfig) -> None:
+    """Train and write prefix.model and prefix.vocab.
+
+    The input goes in through an iterator and the model comes out through a writer: given file names,
+    sentencepiece records them in the model, and the same training in another folder gives other bytes.
+    """
+    import io
+
     import sentencepiece as spm
 
+    model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        input=str(text_file),
-        model_prefix=str(prefix),
+        sentence_iterator=_lines(text_file),
+        model_writer=model,
         model_type=cfg.type,
         vocab_size=cfg.vocab_size,
         character_coverage=cfg.character_coverage,
@@ -133,6 +147,10 @@ def train_sentencepiece(text_file: Path, prefix: Path, cfg: TokenizerConfig) -> 
         train_extremely_large_corpus=False,
         minloglevel=2,
     )
+    prefix.with_suffix(".model").write_bytes(model.getvalue())
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    vocab = "".join(f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.vocab_size()))
+    prefix.with_suffix(".vocab").write_text(vocab, encoding="utf-8")
 
 
 def evaluate(model_file: Path, docs: list[str]) -> dict[str, Any]:
