@@ -59,7 +59,7 @@ def main() -> dict:
         corpus, model = Path("data/corpus/train.jsonl"), Path("data/tokenizer/tokenizer.model")
         if corpus.exists() and model.exists():
             with open(corpus, encoding="utf-8") as f:
-                docs = [json.loads(line)["text"] for _, line in zip(range(MAX_DOCS), f)]
+                docs = [json.loads(line)["text"] for _, line in zip(range(MAX_DOCS), f, strict=False)]
             source = str(corpus)
         else:
             docs, model = _generated(Path(tmp))
