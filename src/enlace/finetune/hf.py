@@ -1,0 +1,153 @@
+"""Hugging Face folders <-> our Llama: config.json plus model.safetensors (or a sharded index).
+
+Module names already match LlamaForCausalLM, so a state dict maps one to one; this file checks that every
+tensor is present with the right shape, refuses unexpected ones, and handles tied embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import EnlaceError
+from ..model import Llama
+from .atomic import write_json, write_safetensors
+from .hf_config import from_hf_config, to_hf_config
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+# Buffers older transformers versions saved; they are recomputed, not loaded.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightsError(EnlaceError):
+    """A checkpoint's tensors do not match the model its config describes."""
+
+
+def read_config(folder: Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise EnlaceError(f"{path}: not found; is {folder} a Hugging Face model folder?")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def weight_files(folder: Path) -> list[Path]:
+    folder = Path(folder)
+    if (folder / WEIGHTS).exists():
+        return [folder / WEIGHTS]
+    if (folder / INDEX).exists():
+        index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
+        names = sorted(set(index["weight_map"].values()))
+        missing = [n for n in names if not (folder / n).exists()]
+        if missing:
+            raise WeightsError(f"{folder / INDEX}: shards missing: {missing}")
+        return [folder / n for n in names]
+    raise WeightsError(f"{folder}: neither {WEIGHTS} nor {INDEX} found (only safetensors are read)")
+
+
+def read_state(folder: Path, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
+    """All tensors of the folder, converted to dtype (None keeps the stored one)."""
+    state: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                if k in state:
+                    raise WeightsError(f"{f}: tensor {k} appears in more than one shard")
+                t = sf.get_tensor(k)
+                state[k] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return state
+
+
+def check_state(model: Llama, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Return the tensors to load; raise listing every missing, unexpected or misshapen tensor."""
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    tied = model.cfg.tie_embeddings
+    if tied:
+        expected.pop("lm_head.weight")
+    state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
+    if tied and "lm_head.weight" in state:
+        # Some exporters store the tied head anyway; it must be the embedding, or the model is not tied.
+        head = state.pop("lm_head.weight")
+        emb = state.get("model.embed_tokens.weight")
+        if emb is not None and not torch.equal(head, emb):
+            raise WeightsError(
+                f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
+            )
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = sorted(
+        f"{k}: {tuple(state[k].shape)} != {tuple(s)}"
+        for k, s in expected.items()
+        if k in state and tuple(state[k].shape) != tuple(s)
+    )
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected}")
+        if shapes:
+            parts.append(f"wrong shape {shapes}")
+        raise WeightsError(f"{source}: weights do not match config.json: " + "; ".join(parts))
+    return state
+
+
+def build_model(
+    cfg, state: dict[str, torch.Tensor], source: str, device: str | torch.device = "cpu"
+) -> Llama:
+    """Instantiate on the meta device (no random init of 100M+ weights) and adopt the loaded tensors."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    state = check_state(model, state, source)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
+    if left:
+        raise WeightsError(f"{source}: tensors not loaded: {left}")
+    return model.to(device)
+
+
+def load_hf_folder(
+    folder: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Llama:
+    """Our Llama with the folder's weights (bf16/fp16 checkpoints become `dtype`, fp32 by default)."""
+    folder = Path(folder)
+    cfg = from_hf_config(read_config(folder), str(folder / "config.json"), name=folder.name)
+    model = build_model(cfg, read_state(folder, dtype), str(folder), device)
+    return model.eval()
+
+
+def save_hf_folder(
+    model: Llama,
+    folder: Path,
+    tokenizer_dir: Path | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+) -> Path:
+    """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given."""
+    folder = Path(folder)
+    state = {k: v for k, v in model.state_dict().items()}
+    if model.cfg.tie_embeddings:
+        state.pop("lm_head.weight")  # safetensors refuses shared storage; transformers re-ties it
+    write_safetensors(folder / WEIGHTS, state, metadata={"format": "pt"})
+    write_json(folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id))
+    gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    write_json(folder / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / name
+            if src.exists() and src.resolve() != (folder / name).resolve():
+                shutil.copyfile(src, folder / name)
+    return folder

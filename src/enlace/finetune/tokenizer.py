@@ -1,0 +1,159 @@
+"""A Hugging Face folder's tokenizer without transformers: `tokenizers` for the ids, jinja2 for the chat
+template (rendered the way transformers renders it: sandboxed, trim_blocks, lstrip_blocks)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ..errors import EnlaceError
+
+Message = dict[str, str]
+
+
+def _token_str(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False
+) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class HFTokenizer:
+    """tokenizer.json + tokenizer_config.json (+ generation_config.json for extra stop ids)."""
+
+    def __init__(self, folder: Path):
+        from tokenizers import Tokenizer
+
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise EnlaceError(f"{path}: not found (only fast tokenizers, tokenizer.json, are supported)")
+        self.folder = folder
+        self.tok = Tokenizer.from_file(str(path))
+        cfg_path = folder / "tokenizer_config.json"
+        self.config: dict[str, Any] = (
+            json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.exists() else {}
+        )
+        self.chat_template = self._find_template()
+        self.special = {
+            k: _token_str(self.config.get(k))
+            for k in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if _token_str(self.config.get(k)) is not None
+        }
+        gen_path = folder / "generation_config.json"
+        self.generation_config = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.exists() else {}
+
+    def _find_template(self) -> str | None:
+        t = self.config.get("chat_template")
+        if isinstance(t, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            named = {d.get("name"): d.get("template") for d in t}
+            t = named.get("default") or next(iter(named.values()), None)
+        jinja_file = self.folder / "chat_template.jinja"
+        if t is None and jinja_file.exists():
+            t = jinja_file.read_text(encoding="utf-8")
+        return t
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tok.token_to_id(token)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self.token_id(self.special.get("bos_token"))
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.token_id(self.special.get("eos_token"))
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.token_id(self.special.get("pad_token"))
+        if pad is None:
+            pad = self.eos_id  # padded positions are masked out of the loss, so any id works
+        if pad is None:
+            raise EnlaceError(f"{self.folder}: tokenizer has neither a pad nor an eos token")
+        return pad
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """Ids that end an answer: the tokenizer's eos plus generation_config.json's eos_token_id(s)."""
+        ids = [self.eos_id] if self.eos_id is not None else []
+        extra = self.generation_config.get("eos_token_id")
+        ids += extra if isinstance(extra, list) else [extra] if extra is not None else []
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        enc = self.tok.encode(text, add_special_tokens=False)
+        return enc.ids, enc.offsets
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _template(self):
+        if self.chat_template is None:
+            raise EnlaceError(f"{self.folder}: tokenizer_config.json has no chat_template")
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        return env.from_string(self.chat_template)
+
+    def render_chat(self, messages: list[Message], add_generation_prompt: bool = False, **kwargs: Any) -> str:
+        extra = self.config.get("additional_special_tokens") or []
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            additional_special_tokens=[_token_str(t) for t in extra],
+            **self.special,
+            **kwargs,
+        )
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = False) -> list[int]:
+        # The template writes any BOS itself, so the post-processor must not add another (as transformers).
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class StreamDecoder:
+    """Turn a stream of token ids into text pieces, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
+        if text.endswith("\ufffd"):
+            return ""  # a multi-byte character split across tokens: wait for the rest
+        piece, self.emitted = text[self.emitted :], len(text)
+        return piece
