@@ -187,3 +187,29 @@ def test_deb_source_unpacks_a_tiny_package(tmp_path):
     bad = data.model_copy(update={"sources": [data.sources[0].model_copy(update={"sha256": "f" * 64})]})
     with pytest.raises(DataError, match="f" * 64):
         build_corpus(bad, "h", tmp_path / "raw", tmp_path / "corpus2", None, workers=1)
+
+
+def test_hf_parquet_source_reads_the_text_column(server, tmp_path):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    base, h = server
+    table = pa.table({"id": [str(i) for i in range(12)], "text": [f"{SPANISH} Parte {_word(i)}." for i in range(12)]})
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    h.files["/datasets/org/wiki/resolve/abc123/es/train-0.parquet"] = buf.getvalue()
+    data = DataConfig.model_validate(
+        {**_hf_config(base, ["es/train-0.parquet"]).model_dump(), "sources": [
+            {**_hf_config(base, ["es/train-0.parquet"]).sources[0].model_dump(), "extractor": "parquet"}
+        ]}
+    )
+    m = build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", None, workers=1)
+    assert m["total"]["docs"] == 12
+    # A wrong column names the ones that exist.
+    bad = DataConfig.model_validate(
+        {**data.model_dump(), "sources": [{**data.sources[0].model_dump(), "text_column": "contenido"}]}
+    )
+    with pytest.raises(DataError, match="'contenido'.*id, text"):
+        build_corpus(bad, "h", tmp_path / "raw2", tmp_path / "corpus2", None, workers=1)

@@ -206,7 +206,7 @@ def jsonl_texts(path: Path, column: str) -> Iterator[str]:
 
 def parquet_texts(path: Path, column: str) -> Iterator[str]:
     try:
-        import pyarrow.parquet as pq  # optional: not in requirements.txt
+        import pyarrow.parquet as pq  # pinned in requirements.txt; guarded for slim installs
     except ImportError:
         raise DataError(
             f"{path}: reading parquet needs pyarrow, which is not installed (pip install pyarrow), "
