@@ -1,0 +1,400 @@
+"""A few minutes on a CUDA machine that say whether this stack works on its GPU.
+
+    python -m enlace.gpu_check --out runs/gpu-check.json      (make gpu-check)
+
+Checks, each recorded in the JSON even when it fails:
+- which scaled_dot_product_attention backends run tiny-50m's shapes (causal, GQA) and which one PyTorch picks;
+- fp16 + GradScaler training of tiny-50m on one repeated batch: finite losses that fall (it memorises);
+- bf16 training the same way where the GPU has native bf16 (compute capability >= 8.0);
+- tokens/s and MFU against a measured dense-matmul peak;
+- torch.cuda.max_memory_allocated against the memory preflight's estimate;
+- resume exactness: save after k steps, run k more, reload, rerun, and compare the weights bit for bit.
+Without a CUDA device it prints why it skipped and exits 0, so `make gpu-check` is safe anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# cuBLAS reads this when its handle is created: it must be set before the first CUDA call for
+# deterministic matmuls in the resume check.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+
+from .config.hardware import HardwareConfig  # noqa: E402
+from .config.model import ModelConfig  # noqa: E402
+from .model import Llama, closed_form_num_parameters  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in matmuls: all but the norm gains; a tied embedding counts once (lm_head)."""
+    d, hd = cfg.d_model, cfg.head_dim
+    norms = cfg.n_layer * (2 * d + (2 * hd if cfg.qk_norm else 0)) + d
+    return closed_form_num_parameters(cfg) - norms
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """FLOPs of a training step per token: 6 * N + 12 * L * d * T.
+
+    6N: forward (2N) and backward (4N) matmuls over the N matmul weights. 12*L*d*T: attention scores and
+    the weighted sum, forward and backward, counted non-causal (the convention of PaLM's MFU, which makes
+    numbers comparable across implementations even though causal kernels skip half the work).
+    """
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * cfg.d_model * seq_len
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak FLOP/s."""
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 20) -> float:
+    """FLOP/s of a large square matmul: the practical ceiling for MFU on this device and dtype."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    _sync(device)
+    return 2.0 * n**3 * iters / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _backend_enum(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+
+
+def sdpa_context(backend: str | None):
+    """Pin SDPA to one backend; None lets PyTorch choose."""
+    import contextlib
+
+    if backend is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel([_backend_enum(backend)])
+
+
+def probe_sdpa(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seq_len: int) -> dict[str, Any]:
+    """Run forward+backward of causal GQA attention with the model's shapes under each backend."""
+    import torch.nn.functional as F
+
+    shape_q = (1, cfg.n_head, seq_len, cfg.head_dim)
+    shape_kv = (1, cfg.n_kv_head, seq_len, cfg.head_dim)
+    q = torch.randn(shape_q, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(shape_kv, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(shape_kv, device=device, dtype=dtype, requires_grad=True)
+    gqa = cfg.n_kv_head != cfg.n_head
+    runs: dict[str, Any] = {}
+    for name in SDPA_BACKENDS:
+        try:
+            with sdpa_context(name):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+                y.float().sum().backward()
+            _sync(device)
+            runs[name] = {"ok": True}
+        except Exception as e:  # a backend without a kernel raises RuntimeError; record why
+            runs[name] = {"ok": False, "error": str(e).splitlines()[0][:300]}
+    chosen = None
+    try:
+        # What 'auto' dispatches to for these inputs (private API, so guarded).
+        from torch.nn.attention import SDPBackend
+
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=gqa)
+        chosen = SDPBackend(choice).name
+    except Exception as e:
+        chosen = f"unknown ({type(e).__name__})"
+    return {"dtype": str(dtype).removeprefix("torch."), "seq_len": seq_len, "backends": runs, "auto_picks": chosen}
+
+
+def _batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=g).to(device)
+
+
+class Stepper:
+    """Model, AdamW and (for fp16) a GradScaler: one optimisation step per call, like the trainer's."""
+
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device, dtype: str, backend: str | None, lr: float = 1e-3, seed: int = 0
+    ):
+        torch.manual_seed(seed)
+        self.device, self.dtype, self.backend = device, dtype, backend
+        self.model = Llama(cfg).to(device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+
+    def step(self, tokens: torch.Tensor) -> float:
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype)
+        with sdpa_context(self.backend), torch.autocast(
+            self.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        ):
+            out = self.model(x, y)
+        # Backward outside autocast, as recommended; the scaler is a no-op when disabled.
+        with sdpa_context(self.backend):
+            self.scaler.scale(out.loss).backward()
+        self.scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.opt)
+        self.scaler.update()
+        # Keep gradient buffers allocated, as between accumulated micro-batches (what the estimate assumes).
+        self.opt.zero_grad(set_to_none=False)
+        return out.loss.item()
+
+    def state(self) -> bytes:
+        """Everything a checkpoint holds, serialised as the trainer would write it."""
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "model": self.model.state_dict(),
+                "opt": self.opt.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "cpu_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    def load(self, blob: bytes) -> None:
+        s = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False)
+        self.model.load_state_dict(s["model"])
+        self.opt.load_state_dict(s["opt"])
+        self.scaler.load_state_dict(s["scaler"])
+        torch.set_rng_state(s["cpu_rng"])
+        if s["cuda_rng"] is not None:
+            torch.cuda.set_rng_state_all(s["cuda_rng"])
+
+
+def train_check(
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: str,
+    backend: str | None,
+    steps: int,
+    batch: int,
+    seq_len: int,
+    estimate: Callable[[int, int], int] | None = None,
+) -> dict[str, Any]:
+    """Train on one repeated batch: losses must be finite and fall; also speed and peak memory."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    st = Stepper(cfg, device, dtype, backend)
+    tokens = _batch(cfg, batch, seq_len, seed=1, device=device)
+    losses: list[float] = []
+    warmup = min(3, max(steps - 1, 0))
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if i == warmup:
+            _sync(device)
+            t0 = time.perf_counter()
+        losses.append(st.step(tokens))
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    timed = steps - warmup
+    res: dict[str, Any] = {
+        "dtype": dtype,
+        "sdpa_backend": backend or "auto",
+        "batch": batch,
+        "seq_len": seq_len,
+        "steps": steps,
+        "losses": [round(x, 4) for x in losses],
+        "finite": all(math.isfinite(x) for x in losses),
+        "falling": len(losses) > 1 and losses[-1] < 0.9 * losses[0],
+        "tokens_per_s": batch * seq_len * timed / elapsed if timed else None,
+    }
+    if dtype == "fp16":
+        res["final_loss_scale"] = st.scaler.get_scale()
+    if device.type == "cuda":
+        res["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+        if estimate is not None:
+            res["estimated_peak"] = estimate(batch, seq_len)
+            res["estimate_over_measured"] = res["estimated_peak"] / res["max_memory_allocated"]
+    res["ok"] = res["finite"] and res["falling"]
+    return res
+
+
+def resume_check(
+    cfg: ModelConfig, device: torch.device, dtype: str, backend: str | None, k: int, batch: int, seq_len: int
+) -> dict[str, Any]:
+    """Save after k steps, run k more; reload the save into a fresh run, rerun those k; compare bit for bit."""
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        data = [_batch(cfg, batch, seq_len, seed=100 + i, device=device) for i in range(2 * k)]
+        a = Stepper(cfg, device, dtype, backend)
+        for i in range(k):
+            a.step(data[i])
+        blob = a.state()
+        for i in range(k, 2 * k):
+            a.step(data[i])
+        b = Stepper(cfg, device, dtype, backend, seed=12345)  # different init: the load must overwrite it
+        b.load(blob)
+        for i in range(k, 2 * k):
+            b.step(data[i])
+        pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+        differing = [n for n in pa if not torch.equal(pa[n], pb[n])]
+        return {"ok": not differing, "steps": k, "differing_parameters": differing[:10], "dtype": dtype}
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _guard(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]]) -> None:
+    """Run one check; an exception is a failed check with its message, never the end of the others."""
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as e:
+        results[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    results[name]["seconds"] = round(time.perf_counter() - t0, 1)
+
+
+def _profile(name: str) -> HardwareConfig:
+    import yaml
+
+    return HardwareConfig.model_validate(yaml.safe_load((ROOT / "configs" / "hardware" / f"{name}.yaml").read_text()))
+
+
+def run_checks(args: argparse.Namespace) -> dict[str, Any]:
+    import yaml
+
+    from .estimate import estimate_training_memory
+
+    device = torch.device("cuda", 0)
+    props = torch.cuda.get_device_properties(device)
+    cc = (props.major, props.minor)
+    native_bf16 = cc >= (8, 0)  # torch.cuda.is_bf16_supported() is True on Turing too (emulated)
+    cfg = ModelConfig.model_validate(yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text()))
+    seq_len = args.seq_len or cfg.seq_len
+    out: dict[str, Any] = {
+        "device": {
+            "name": props.name,
+            "compute_capability": list(cc),
+            "memory_gib": round(props.total_memory / 2**30, 2),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "native_bf16": native_bf16,
+        },
+        "model": cfg.name,
+        "parameters": closed_form_num_parameters(cfg),
+        "flops_formula": "6 * N_matmul * tokens + 12 * n_layer * d_model * seq_len * tokens",
+        "flops_per_token": train_flops_per_token(cfg, seq_len),
+    }
+    checks: dict[str, Any] = {}
+    half = torch.bfloat16 if native_bf16 else torch.float16
+    _guard(checks, "sdpa", lambda: {**probe_sdpa(cfg, device, half, seq_len), "ok": True})
+    works = [n for n, r in checks["sdpa"].get("backends", {}).items() if r.get("ok")]
+
+    def pick(preferred: str) -> str | None:
+        # The profile's backend if it runs these shapes; otherwise let PyTorch choose and say so.
+        return preferred if preferred in works else None
+
+    peaks: dict[str, float] = {}
+    _guard(checks, "matmul_peak", lambda: _peaks(device, native_bf16, peaks))
+
+    def estimator(profile: HardwareConfig) -> Callable[[int, int], int]:
+        return lambda b, t: estimate_training_memory(cfg, profile, b, t).peak
+
+    p2060 = _profile("rtx2060")
+    _guard(
+        checks,
+        "train_fp16",
+        lambda: train_check(
+            cfg, device, "fp16", pick(p2060.sdpa_backend), args.steps, args.batch, seq_len,
+            estimator(p2060.model_copy(update={"sdpa_backend": pick(p2060.sdpa_backend) or "auto"})),
+        ),
+    )
+    if native_bf16:
+        p5090 = _profile("rtx5090")
+        _guard(
+            checks,
+            "train_bf16",
+            lambda: train_check(
+                cfg, device, "bf16", pick(p5090.sdpa_backend), args.steps, args.batch, seq_len,
+                estimator(p5090.model_copy(update={"min_compute_capability": list(cc)})),
+            ),
+        )
+    else:
+        checks["train_bf16"] = {"ok": None, "skipped": f"sm_{cc[0]}{cc[1]} has no native bf16 (needs sm_80+)"}
+    for name in ("train_fp16", "train_bf16"):
+        r = checks.get(name, {})
+        dt = "fp16" if name == "train_fp16" else "bf16"
+        if r.get("tokens_per_s") and peaks.get(dt):
+            r["peak_flops"] = peaks[dt]
+            r["mfu"] = round(mfu(r["tokens_per_s"], out["flops_per_token"], peaks[dt]), 4)
+    resume_dtype = "bf16" if native_bf16 else "fp16"
+    _guard(
+        checks,
+        "resume_exact",
+        lambda: resume_check(cfg, device, resume_dtype, "math", args.resume_steps, 1, min(seq_len, 512)),
+    )
+    out["checks"] = checks
+    out["ok"] = all(c.get("ok") is not False for c in checks.values())
+    return out
+
+
+def _peaks(device: torch.device, native_bf16: bool, peaks: dict[str, float]) -> dict[str, Any]:
+    peaks["fp16"] = measured_matmul_peak(device, torch.float16)
+    if native_bf16:
+        peaks["bf16"] = measured_matmul_peak(device, torch.bfloat16)
+    return {"ok": True, **{f"{k}_tflops": round(v / 1e12, 1) for k, v in peaks.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m enlace.gpu_check", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="runs/gpu-check.json", help="where to write the results (JSON)")
+    p.add_argument("--model", default="tiny-50m", help="model config name (configs/model/NAME.yaml)")
+    p.add_argument("--steps", type=int, default=30, help="training steps per precision")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch (1 fits tiny-50m at 2048 on 6 GB)")
+    p.add_argument("--seq-len", type=int, default=None, help="default: the model's seq_len")
+    p.add_argument("--resume-steps", type=int, default=5, help="k in the resume check (k saved, k replayed)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            f"gpu-check skipped: no CUDA device (torch {torch.__version__}, built for "
+            f"{torch.version.cuda or 'CPU only'}); nothing written. Run it on the GPU machine, e.g. in `make docker-2060`'s image."
+        )
+        return 0
+    results = run_checks(args)
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    for name, r in results["checks"].items():
+        state = {True: "ok", False: "FAILED", None: "skipped"}[r.get("ok")]
+        extra = {k: r[k] for k in ("tokens_per_s", "mfu", "estimate_over_measured", "auto_picks", "error") if k in r}
+        print(f"{name:>14}: {state} {json.dumps(extra, default=str)}")
+    print(f"results: {path}")
+    return 0 if results["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
