@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 clean
+.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -42,6 +42,43 @@ bench: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(BIN)/python -m enlace.gpu_check --out runs/gpu-check.json
+
+# Containers: build the target for the GPU generation, then run the pipeline in it with the repo mounted.
+# The hardware profile is chosen by params.yaml's config.hardware, the one selector every stage reads
+# (DVC tracks it, so stages whose resolved config changes re-run and dvc.lock records the profile): the
+# container sets it, then runs `dvc repro`. The edit stays in the work tree, visible in `git diff`.
+DOCKER_RUN = docker run --rm -v "$(CURDIR)":/work -w /work --user $$(id -u):$$(id -g) -e HOME=/tmp/home
+select_hw = sed -i 's/^\(  hardware:\).*/\1 $(1)/' params.yaml
+
+docker-cpu:
+	docker build --target cpu -t enlace:cpu .
+	$(DOCKER_RUN) enlace:cpu sh -c "$(call select_hw,cpu) && dvc repro"
+
+docker-2060:
+	docker build --target turing -t enlace:turing .
+	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select_hw,rtx2060) && dvc repro"
+
+docker-5090:
+	docker build --target blackwell -t enlace:blackwell .
+	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select_hw,rtx5090) && dvc repro"
+
+# Re-resolve the base image digests (needs Docker and registry access); then update the Dockerfile's FROM
+# lines to match (tests/test_docker.py fails until they agree).
+docker-pin:
+	@grep -v '^#' docker/images.lock | while IFS='=' read -r target ref; do \
+	  tag=$${ref%@*}; digest=$$(docker buildx imagetools inspect "$$tag" --format '{{json .Manifest}}' | \
+	    python3 -c 'import json,sys; print(json.load(sys.stdin)["digest"])'); \
+	  echo "$$target=$$tag@$$digest"; done
+
+# Regenerate the lock files with every transitive pin and sha256 hashes (needs PyPI and download.pytorch.org).
+docker-lock: $(STAMP)
+	$(BIN)/python -m pip install -q uv
+	for t in cpu cu126 cu130; do \
+	  grep -v -E '^(torch==|#)' requirements.txt > /tmp/enlace-req.in; \
+	  $(BIN)/uv pip compile --generate-hashes --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
+	    /tmp/enlace-req.in --no-header -o /tmp/enlace-$$t.lock && \
+	  { head -3 docker/requirements-$$t.lock; cat /tmp/enlace-$$t.lock; } > docker/requirements-$$t.lock.new && \
+	  mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -99,7 +99,13 @@ print(json.dumps({"increment": rss("VmHWM") - base}))
 
 def measure(model: ModelConfig, batch: int, seq_len: int, dtype: str, attention: str) -> int:
     """Peak resident bytes above the process's state after building the model (weights included there)."""
-    spec = {"model": model.model_dump(), "batch": batch, "seq_len": seq_len, "dtype": dtype, "attention": attention}
+    spec = {
+        "model": model.model_dump(),
+        "batch": batch,
+        "seq_len": seq_len,
+        "dtype": dtype,
+        "attention": attention,
+    }
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [sys.executable, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True, text=True, timeout=120
@@ -146,7 +152,9 @@ def test_parts_follow_the_formulas() -> None:
     assert est.parts["AdamW moments (2 x fp32)"] == 8 * n
     assert est.parts["logits + loss"] == logits_loss_bytes(SMALL, "fp32", 4, 256) == 4 * 256 * 8192 * 24
     # activations and logits grow linearly in the batch
-    assert activation_bytes(SMALL, "fp32", "flash", 8, 256) == 2 * activation_bytes(SMALL, "fp32", "flash", 4, 256)
+    assert activation_bytes(SMALL, "fp32", "flash", 8, 256) == 2 * activation_bytes(
+        SMALL, "fp32", "flash", 4, 256
+    )
     # the math backend materialises B*H*T*T probabilities; fused kernels do not
     extra = activation_bytes(SMALL, "fp32", "math", 1, 256) - activation_bytes(SMALL, "fp32", "flash", 1, 256)
     assert extra >= 4 * SMALL.n_layer * SMALL.n_head * 256 * 256
@@ -187,18 +195,46 @@ def test_preflight_rejects_tiny50m_on_2060_with_advice() -> None:
     mb, accum = suggest_geometry(fitting, 64, 1)
     assert f"train.micro_batch_size={mb}" in msg and f"train.grad_accum_steps={accum}" in msg
     # the advice itself passes
-    ok = preflight(_cfg("rtx2060", "tiny-50m-2060", [f"train.micro_batch_size={mb}", f"train.grad_accum_steps={accum}"]))
+    ok = preflight(
+        _cfg("rtx2060", "tiny-50m-2060", [f"train.micro_batch_size={mb}", f"train.grad_accum_steps={accum}"])
+    )
     assert ok.fits and ok.peak < 6 * GIB
 
 
 def test_estimate_command_prints_table_and_verdict(capsys) -> None:
     from enlace.cli import main
 
-    rc = main(["estimate", "--params", str(ROOT / "params.yaml"), "--hardware", "rtx2060", "--model", "tiny-50m",
-               "--train", "tiny-50m-2060", "--micro-batch", "1"])
+    rc = main(
+        [
+            "estimate",
+            "--params",
+            str(ROOT / "params.yaml"),
+            "--hardware",
+            "rtx2060",
+            "--model",
+            "tiny-50m",
+            "--train",
+            "tiny-50m-2060",
+            "--micro-batch",
+            "1",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "logits + loss" in out and "verdict: fits" in out
-    rc = main(["estimate", "--params", str(ROOT / "params.yaml"), "--hardware", "rtx2060", "--model", "tiny-50m",
-               "--train", "tiny-50m-2060", "--micro-batch", "16"])
+    rc = main(
+        [
+            "estimate",
+            "--params",
+            str(ROOT / "params.yaml"),
+            "--hardware",
+            "rtx2060",
+            "--model",
+            "tiny-50m",
+            "--train",
+            "tiny-50m-2060",
+            "--micro-batch",
+            "16",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 1 and "does NOT fit" in out and "grad_accum_steps=" in out

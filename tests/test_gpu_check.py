@@ -10,7 +10,14 @@ from enlace.gpu_check import main, matmul_params, mfu, resume_check, train_check
 from enlace.model import Llama
 
 TINY = ModelConfig(
-    name="t", vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64, seq_len=64, qk_norm=True,
+    name="t",
+    vocab_size=256,
+    n_layer=2,
+    n_head=4,
+    n_kv_head=2,
+    d_model=64,
+    seq_len=64,
+    qk_norm=True,
     z_loss_weight=1e-4,
 )
 

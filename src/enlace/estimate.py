@@ -163,7 +163,9 @@ def estimate_training_memory(
     }
     if hw.dtype != "fp32":
         parts[f"autocast {hw.dtype} weight copies"] = DTYPE_BYTES[hw.dtype] * matmul_weights(model)
-    parts[f"activations ({attention} attention)"] = activation_bytes(model, hw.dtype, attention, micro_batch, t)
+    parts[f"activations ({attention} attention)"] = activation_bytes(
+        model, hw.dtype, attention, micro_batch, t
+    )
     parts["logits + loss"] = logits_loss_bytes(model, hw.dtype, micro_batch, t)
     # foreach AdamW (the CUDA default) builds one temporary per parameter (sqrt of the second moment);
     # the CPU's single-tensor loop needs one temporary of the largest parameter.
@@ -211,9 +213,7 @@ def largest_fitting_micro_batch(
     return lo
 
 
-def suggest_geometry(
-    fitting: int, global_batch: int, world_size: int
-) -> tuple[int, int] | None:
+def suggest_geometry(fitting: int, global_batch: int, world_size: int) -> tuple[int, int] | None:
     """(micro_batch, grad_accum_steps) with micro_batch <= fitting that keeps the global batch exactly."""
     per_rank, rem = divmod(global_batch, world_size)
     if rem:
@@ -316,8 +316,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         parents=[common],
         help="predict the peak memory of a training step and whether it fits the hardware profile",
     )
-    p.add_argument("--micro-batch", type=int, default=None, help="micro-batch size (default: the train config's)")
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="micro-batch size (default: the train config's)"
+    )
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: model.seq_len)")
-    p.add_argument("--stage", default=None, help="apply a stage's layer selection from params.yaml (e.g. smoke)")
+    p.add_argument(
+        "--stage", default=None, help="apply a stage's layer selection from params.yaml (e.g. smoke)"
+    )
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(handler=_estimate_command)

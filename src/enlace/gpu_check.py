@@ -131,7 +131,12 @@ def probe_sdpa(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seq_l
         chosen = SDPBackend(choice).name
     except Exception as e:
         chosen = f"unknown ({type(e).__name__})"
-    return {"dtype": str(dtype).removeprefix("torch."), "seq_len": seq_len, "backends": runs, "auto_picks": chosen}
+    return {
+        "dtype": str(dtype).removeprefix("torch."),
+        "seq_len": seq_len,
+        "backends": runs,
+        "auto_picks": chosen,
+    }
 
 
 def _batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -143,7 +148,13 @@ class Stepper:
     """Model, AdamW and (for fp16) a GradScaler: one optimisation step per call, like the trainer's."""
 
     def __init__(
-        self, cfg: ModelConfig, device: torch.device, dtype: str, backend: str | None, lr: float = 1e-3, seed: int = 0
+        self,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: str,
+        backend: str | None,
+        lr: float = 1e-3,
+        seed: int = 0,
     ):
         torch.manual_seed(seed)
         self.device, self.dtype, self.backend = device, dtype, backend
@@ -154,8 +165,9 @@ class Stepper:
     def step(self, tokens: torch.Tensor) -> float:
         x, y = tokens[:, :-1], tokens[:, 1:]
         amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype)
-        with sdpa_context(self.backend), torch.autocast(
-            self.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None
+        with (
+            sdpa_context(self.backend),
+            torch.autocast(self.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None),
         ):
             out = self.model(x, y)
         # Backward outside autocast, as recommended; the scaler is a no-op when disabled.
@@ -274,14 +286,19 @@ def _guard(results: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]])
     try:
         results[name] = fn()
     except Exception as e:
-        results[name] = {"ok": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+        results[name] = {
+            "ok": False,
+            "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}",
+        }
     results[name]["seconds"] = round(time.perf_counter() - t0, 1)
 
 
 def _profile(name: str) -> HardwareConfig:
     import yaml
 
-    return HardwareConfig.model_validate(yaml.safe_load((ROOT / "configs" / "hardware" / f"{name}.yaml").read_text()))
+    return HardwareConfig.model_validate(
+        yaml.safe_load((ROOT / "configs" / "hardware" / f"{name}.yaml").read_text())
+    )
 
 
 def run_checks(args: argparse.Namespace) -> dict[str, Any]:
@@ -293,7 +310,9 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
     native_bf16 = cc >= (8, 0)  # torch.cuda.is_bf16_supported() is True on Turing too (emulated)
-    cfg = ModelConfig.model_validate(yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text()))
+    cfg = ModelConfig.model_validate(
+        yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
+    )
     seq_len = args.seq_len or cfg.seq_len
     out: dict[str, Any] = {
         "device": {
@@ -329,7 +348,13 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
         checks,
         "train_fp16",
         lambda: train_check(
-            cfg, device, "fp16", pick(p2060.sdpa_backend), args.steps, args.batch, seq_len,
+            cfg,
+            device,
+            "fp16",
+            pick(p2060.sdpa_backend),
+            args.steps,
+            args.batch,
+            seq_len,
             estimator(p2060.model_copy(update={"sdpa_backend": pick(p2060.sdpa_backend) or "auto"})),
         ),
     )
@@ -339,7 +364,13 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
             checks,
             "train_bf16",
             lambda: train_check(
-                cfg, device, "bf16", pick(p5090.sdpa_backend), args.steps, args.batch, seq_len,
+                cfg,
+                device,
+                "bf16",
+                pick(p5090.sdpa_backend),
+                args.steps,
+                args.batch,
+                seq_len,
                 estimator(p5090.model_copy(update={"min_compute_capability": list(cc)})),
             ),
         )
@@ -390,7 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(results, indent=2) + "\n")
     for name, r in results["checks"].items():
         state = {True: "ok", False: "FAILED", None: "skipped"}[r.get("ok")]
-        extra = {k: r[k] for k in ("tokens_per_s", "mfu", "estimate_over_measured", "auto_picks", "error") if k in r}
+        extra = {
+            k: r[k]
+            for k in ("tokens_per_s", "mfu", "estimate_over_measured", "auto_picks", "error")
+            if k in r
+        }
         print(f"{name:>14}: {state} {json.dumps(extra, default=str)}")
     print(f"results: {path}")
     return 0 if results["ok"] else 1
