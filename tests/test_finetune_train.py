@@ -1,0 +1,116 @@
+"""Training: exact resume, held-out loss goes down, CLI flags map onto the config, chat streams replies."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_finetune_common import dolly_rows, make_folder, write_jsonl
+
+from enlace.config.finetune import FinetuneConfig, FinetuneGeneration
+from enlace.config.hardware import HardwareConfig
+from enlace.finetune.chat import chat_repl, load_for_generation
+from enlace.finetune.evaluate import finetune_eval
+from enlace.finetune.train import finetune
+
+ROOT = Path(__file__).resolve().parents[1]
+HW = HardwareConfig(name="cpu", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    folder = make_folder(d / "base")
+    train = write_jsonl(d / "train.jsonl", dolly_rows(12))
+    val = write_jsonl(d / "val.jsonl", dolly_rows(15)[12:])
+    return folder, train, val
+
+
+def cfg_for(setup, out, **kw) -> FinetuneConfig:
+    folder, train, val = setup
+    base = dict(
+        name="t", base_model=str(folder), train_data=str(train), val_data=str(val), steps=4, micro_batch=2,
+        grad_accum=2, lr=5e-3, warmup=1, max_len=128, rank=4, alpha=8, dropout=0.1, targets=["q_proj", "v_proj"],
+        out=str(out), checkpoint_every=2, eval_prompts=["¿Qué hacemos hoy?"],
+        generation=FinetuneGeneration(max_new_tokens=6),
+    )  # fmt: skip
+    return FinetuneConfig(**{**base, **kw})
+
+
+def test_resume_is_exact(setup, tmp_path):
+    a = cfg_for(setup, tmp_path / "a")
+    finetune(a, HW, progress=False)
+    b = cfg_for(setup, tmp_path / "b")
+    finetune(b, HW, progress=False)
+    # Lose everything after step 2, as a run killed between checkpoints would, then resume.
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000004")
+    shutil.rmtree(tmp_path / "b" / "adapter")
+    result = finetune(b, HW, progress=False)
+    assert result["final"]["step"] == 4
+    wa = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
+    la = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    lb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    strip = [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in la]
+    assert strip == [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in lb]
+    with pytest.raises(Exception, match="different settings"):
+        finetune(cfg_for(setup, tmp_path / "b", rank=8), HW, progress=False)
+
+
+def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
+    cfg = cfg_for(
+        setup,
+        tmp_path / "run",
+        steps=25,
+        lr=1e-2,
+        dropout=0.0,
+        targets=["q_proj", "v_proj", "o_proj", "up_proj"],
+    )
+    finetune(cfg, HW, progress=False)
+    r = finetune_eval(cfg, HW)
+    assert r["loss_after"] < r["loss_before"] - 0.3, (r["loss_before"], r["loss_after"])
+    saved = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert saved["loss_after"] == r["loss_after"] and len(saved["answers"]) == 1
+    assert set(saved["answers"][0]) == {"prompt", "base", "finetuned"}
+
+
+def test_cli_flags_map_onto_finetune_config():
+    from enlace.cli import build_parser
+    from enlace.finetune.commands import load_finetune_cfg
+
+    args = build_parser().parse_args(
+        ["finetune", "--params", str(ROOT / "params.yaml"), "--steps", "7", "--lr", "0.002", "--rank", "4",
+         "--alpha", "8", "--targets", "q,v", "--max-len", "200", "--examples", "20", "--batch", "2",
+         "--out", "runs/x", "--model", "models/m", "--data", "d/train.jsonl", "--set", "finetune.seed=5"]
+    )  # fmt: skip
+    f = load_finetune_cfg(args).finetune
+    assert (f.steps, f.lr, f.rank, f.alpha, f.max_len, f.max_examples, f.micro_batch) == (
+        7,
+        0.002,
+        4,
+        8,
+        200,
+        20,
+        2,
+    )
+    assert f.targets == ["q_proj", "v_proj"] and f.out == "runs/x" and f.base_model == "models/m"
+    assert f.train_data == "d/train.jsonl" and f.seed == 5 and f.name == "smollm2-es"
+
+
+def test_chat_streams_replies_until_exit(setup):
+    folder, _, _ = setup
+    model, tok = load_for_generation(folder)
+    out = io.StringIO()
+    msgs = chat_repl(
+        model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5, temperature=0.0
+    )
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
+    lines = out.getvalue().split("\n")
+    assert lines[0].strip() == msgs[1]["content"] and lines[1].strip() == msgs[3]["content"]
