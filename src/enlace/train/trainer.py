@@ -237,8 +237,8 @@ def train(
     if loader is None or val_loader is None:
         from ..data.loaders import make_loader
 
-        loader = loader or make_loader(cfg, "train")
-        val_loader = val_loader or make_loader(cfg, "val")
+        loader = loader or make_loader(cfg, "train", rank=info.rank, world_size=info.world_size)
+        val_loader = val_loader or make_loader(cfg, "val", rank=info.rank, world_size=info.world_size)
 
     raw_model = build_model(cfg, device)
     seed_everything(t.seed + info.rank)  # per-rank streams after the shared init (dropout, if any)
