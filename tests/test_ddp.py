@@ -2,8 +2,8 @@
 
 Two processes with micro-batch 4 see the same 8 rows per step as one process with micro-batch 4 and
 accumulation 2. Gradients match up to float summation order (DDP averages the two ranks' gradients, one
-process sums two halves), so weights agree within a tolerance, not bitwise. A 2-process run resumed with
-2 processes is bit-exact; resuming it with 1 process is refused.
+process sums two halves), so weights are only promised to agree within a tolerance (in practice they come
+out bit-identical). A 2-process run resumed with 2 processes is bit-exact; with 1 process it is refused.
 """
 
 import pytest
@@ -25,7 +25,7 @@ from enlace.train.testing import (
 from enlace.train.trainer import train
 
 BASE = {"train.max_steps": 6, "train.micro_batch_size": 4, "train.global_batch_size": 8}
-ATOL = 1e-5  # fp32 weights after 6 AdamW steps; observed differences are ~1e-7
+ATOL = 1e-6  # fp32 weights after 6 AdamW steps; observed: bit-identical (max diff 0.0) on torch 2.13 CPU
 
 
 def torchrun(cfg_json, run_dir, stop_after=None):
