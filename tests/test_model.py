@@ -7,7 +7,16 @@ import torch
 
 from enlace.config import load_config
 from enlace.config.model import ModelConfig
-from enlace.model import KVCache, Llama, apply_rope, closed_form_num_parameters, rope_cos_sin
+from enlace.model import (
+    IGNORE_INDEX,
+    KVCache,
+    Llama,
+    apply_rope,
+    closed_form_num_parameters,
+    fused_lm_loss,
+    lm_loss,
+    rope_cos_sin,
+)
 
 
 def tiny(**kw) -> ModelConfig:
@@ -111,17 +120,81 @@ def test_z_loss_penalises_the_log_normaliser_only():
     x = torch.randint(0, 97, (2, 12))
     out = model(x, targets=x)
     torch.testing.assert_close(out.loss, out.ce + 1e-2 * out.z_loss)
-    expected_z = torch.logsumexp(out.logits.float(), dim=-1).pow(2).mean()
+    logits = model(x).logits
+    expected_z = torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
     torch.testing.assert_close(out.z_loss, expected_z)
     # Shifting all logits by a constant leaves cross-entropy unchanged but moves z.
-    from enlace.model import lm_loss
-
-    _, ce2, z2 = lm_loss(out.logits + 3.0, x, 1e-2)
+    _, ce2, z2 = lm_loss(logits + 3.0, x, 1e-2)
     torch.testing.assert_close(ce2, out.ce)
     assert z2 > out.z_loss
     # Without z-loss, the loss is plain cross-entropy.
     plain = build(tiny(z_loss_weight=0.0))(x, targets=x)
     torch.testing.assert_close(plain.loss, plain.ce)
+
+
+def test_model_loss_gradients_equal_autograd_through_full_logits():
+    model = build(tiny(z_loss_weight=1e-3))
+    x = torch.randint(0, 97, (2, 12))
+    model(x, targets=x).loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lm_loss(model(x).logits, x, 1e-3)[0].backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, msg=n)
+
+
+@pytest.mark.parametrize("z", [0.0, 1e-3])
+@pytest.mark.parametrize("ignore", [0, 5])
+def test_fused_loss_matches_plain_cross_entropy_value_and_gradients(z, ignore):
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    t = torch.randint(0, 50, (37,))
+    t[:ignore] = IGNORE_INDEX
+    ref = lm_loss(h @ w.t(), t, z)
+    ref_grads = torch.autograd.grad(ref[0], (h, w))
+    import enlace.model as m
+
+    old = m.LOSS_CHUNK_ELEMENTS
+    m.LOSS_CHUNK_ELEMENTS = 50 * 8  # several chunks, the last one partial
+    try:
+        fused = fused_lm_loss(h, w, t, z)
+        grads = torch.autograd.grad(fused[0], (h, w))
+    finally:
+        m.LOSS_CHUNK_ELEMENTS = old
+    for a, b in zip(ref, fused, strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(ref_grads, grads, strict=True):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(
+        ref[1], torch.nn.functional.cross_entropy(h @ w.t(), t, ignore_index=IGNORE_INDEX)
+    )
+
+
+def test_fused_loss_with_frozen_head_and_without_grad():
+    torch.manual_seed(0)
+    h = torch.randn(9, 8, requires_grad=True)
+    w = torch.randn(20, 8)  # frozen, as under LoRA: its gradient is never computed
+    t = torch.randint(0, 20, (9,))
+    loss, _, _ = fused_lm_loss(h, w, t, 0.0)
+    (gh,) = torch.autograd.grad(loss, (h,))
+    (ref,) = torch.autograd.grad(lm_loss(h @ w.t(), t, 0.0)[0], (h,))
+    torch.testing.assert_close(gh, ref)
+    with torch.no_grad():
+        assert fused_lm_loss(h, w, t, 0.0)[0].requires_grad is False
+
+
+def test_fused_loss_under_bf16_autocast_is_close_to_fp32():
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = (torch.randn(300, 32) * 0.1).requires_grad_()
+    t = torch.randint(0, 300, (64,))
+    ref = lm_loss(h @ w.t(), t, 1e-4)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = fused_lm_loss(h, w, t, 1e-4)[0]
+    got.backward()
+    assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.02)
 
 
 def test_ignored_targets_do_not_count():
@@ -130,7 +203,7 @@ def test_ignored_targets_do_not_count():
     t = x.clone()
     t[:, :5] = -100
     out = model(x, targets=t)
-    ref = torch.nn.functional.cross_entropy(out.logits[0, 5:], x[0, 5:])
+    ref = torch.nn.functional.cross_entropy(model(x).logits[0, 5:], x[0, 5:])
     torch.testing.assert_close(out.ce, ref)
 
 

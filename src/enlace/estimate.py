@@ -42,9 +42,11 @@ SAFETY_FRACTION = 0.90
 # Memory outside PyTorch's tensors: the CUDA context and kernels (0.3-0.5 GiB), or on CPU the Python
 # process with torch imported.
 RUNTIME_RESERVE_GIB = {"cuda": 0.5, "cpu": 0.5}
-# fp32 V-sized buffers alive at the loss's peak besides the logits themselves: log-softmax output, the
-# z-loss copy of the logits, logsumexp temporaries and the gradients (measured: 5, see tests).
-LOSS_FP32_BUFFERS = 5
+# The fused loss (model.fused_lm_loss) holds one chunk of logits at a time: in fp32 the chunk and a
+# logsumexp temporary; under autocast the half-precision chunk, its fp32 copy (turned into the softmax
+# in place) and the half-precision gradient copy (measured, see tests).
+# Beside the chunks: the gradient of the hidden states and two [vocab, d] fp32 head gradients (the
+# accumulator and the scaled copy backward returns).
 
 
 class MemoryPreflightError(EnlaceError):
@@ -138,8 +140,13 @@ def activation_bytes(m: ModelConfig, dtype: str, attention: str, batch: int, seq
 
 
 def logits_loss_bytes(m: ModelConfig, dtype: str, batch: int, seq_len: int) -> int:
-    """Logits in the compute dtype plus the fp32 buffers of cross-entropy and z-loss at their peak."""
-    return batch * seq_len * m.vocab_size * (DTYPE_BYTES[dtype] + FP32 * LOSS_FP32_BUFFERS)
+    """The fused head + loss at its peak: one chunk of logits and the gradients it produces."""
+    from .model import LOSS_CHUNK_ELEMENTS
+
+    rows = min(batch * seq_len, max(1, LOSS_CHUNK_ELEMENTS // m.vocab_size))
+    per_value = FP32 * 2 if dtype == "fp32" else DTYPE_BYTES[dtype] * 2 + FP32
+    chunk = rows * m.vocab_size * per_value
+    return chunk + FP32 * batch * seq_len * m.d_model + 2 * FP32 * m.vocab_size * m.d_model
 
 
 def kv_cache_bytes(m: ModelConfig, batch: int, seq_len: int, dtype: str) -> int:

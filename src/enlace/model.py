@@ -169,7 +169,7 @@ class Decoder(nn.Module):
 
 @dataclass
 class Output:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None when targets were given: the loss never materialises all logits
     loss: torch.Tensor | None = None  # ce + z_loss_weight * z_loss: what backward() sees
     ce: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
@@ -199,12 +199,8 @@ class Llama(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    def forward(
-        self,
-        idx: torch.Tensor,
-        targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
-    ) -> Output:
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The final-normed hidden states [B, T, d]: everything but the output head."""
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > (cache.max_len if cache is not None else self.cfg.seq_len):
@@ -217,10 +213,20 @@ class Llama(nn.Module):
             x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T
-        logits = self.lm_head(self.model.norm(x))
+        return self.model.norm(x)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> Output:
+        """Logits without targets; with targets only the loss, since the full logits are never needed."""
+        h = self.hidden_states(idx, cache)
         if targets is None:
-            return Output(logits)
-        return Output(logits, *lm_loss(logits, targets, self.cfg.z_loss_weight))
+            return Output(self.lm_head(h))
+        loss, ce, z = fused_lm_loss(h, self.lm_head.weight, targets, self.cfg.z_loss_weight)
+        return Output(None, loss, ce, z)
 
 
 def lm_loss(
@@ -230,13 +236,87 @@ def lm_loss(
 
     z-loss (PaLM; Wortsman et al. 2023) penalises log Z = logsumexp(logits) squared, which keeps the
     softmax normaliser near 1 and prevents the output-logit divergence seen in low-precision training.
+    Both terms share one logsumexp: cross-entropy is log Z minus the target's logit. This never builds
+    the full log-softmax or a masked copy of the logits, the two largest buffers of a step at vocab 32k,
+    and runs about twice as fast as F.cross_entropy plus a separate z-loss on CPU.
     """
     logits = logits.float().view(-1, logits.size(-1))
     targets = targets.reshape(-1)
-    ce = F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
-    keep = targets != IGNORE_INDEX
-    z = torch.logsumexp(logits[keep], dim=-1).pow(2).mean() if keep.any() else logits.sum() * 0.0
+    keep = (targets != IGNORE_INDEX).to(logits.dtype)
+    count = keep.sum().clamp_min(1.0)
+    log_z = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    ce = ((log_z - target_logit) * keep).sum() / count
+    z = (log_z.pow(2) * keep).sum() / count
     return ce + z_loss_weight * z, ce, z
+
+
+# Logits computed at once by fused_lm_loss: 2^24 fp32 values (64 MiB) whatever the vocabulary. Smaller
+# chunks save little memory but add a pass over the head's gradient per chunk.
+LOSS_CHUNK_ELEMENTS = 1 << 24
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Output head, cross-entropy and z-loss in chunks of rows, gradients computed on the way.
+
+    Same value and gradient as lm_loss(h @ W.T, ...), but the [N, vocab] logits exist one chunk at a
+    time: at vocab 32k they are the largest buffers of a training step. d loss / d logits is
+    keep/n * (softmax * (1 + 2 w log Z) - onehot(target)); the two matmuls that carry it back to h and W
+    run per chunk, so no recomputation is needed in backward.
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, z_weight: float, need_grad_h: bool, need_grad_w: bool):
+        n_rows = h.shape[0]
+        keep = (targets != IGNORE_INDEX).float()
+        count = keep.sum().clamp_min(1.0)
+        chunk = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+        ce_sum = h.new_zeros((), dtype=torch.float32)
+        z_sum = h.new_zeros((), dtype=torch.float32)
+        grad_h = torch.empty_like(h) if need_grad_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad_w else None
+        for s in range(0, n_rows, chunk):
+            hc, tc, kc = h[s : s + chunk], targets[s : s + chunk].clamp_min(0), keep[s : s + chunk]
+            logits = (hc @ weight.t()).float()
+            log_z = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(-1, tc.unsqueeze(-1)).squeeze(-1)
+            ce_sum += ((log_z - target_logit) * kc).sum()
+            z_sum += (log_z.pow(2) * kc).sum()
+            if need_grad_h or need_grad_w:
+                probs = logits.sub_(log_z.unsqueeze(-1)).exp_()  # softmax, in place of the logits
+                probs.mul_(((1.0 + 2.0 * z_weight * log_z) * kc / count).unsqueeze(-1))
+                probs.scatter_add_(-1, tc.unsqueeze(-1), (-kc / count).unsqueeze(-1))
+                g = probs.to(hc.dtype)
+                if need_grad_h:
+                    grad_h[s : s + chunk] = g @ weight.to(hc.dtype)
+                if need_grad_w:
+                    if g.dtype == grad_w.dtype:
+                        grad_w.addmm_(g.t(), hc)  # accumulate in place: no [vocab, d] temporary
+                    else:
+                        grad_w += (g.t() @ hc).float()
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        ce, z = ce_sum / count, z_sum / count
+        ctx.mark_non_differentiable(ce, z)
+        return ce + z_weight * z, ce, z
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ce, _grad_z):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
+        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        return gh, gw, None, None, None, None
+
+
+def fused_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, ce, z_loss) of the head `weight` on `hidden` [..., d]; ce and z_loss are for logging only."""
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    grad = torch.is_grad_enabled()
+    fn = _FusedLinearCrossEntropy
+    return fn.apply(h, weight, t, z_loss_weight, grad and h.requires_grad, grad and weight.requires_grad)
 
 
 def closed_form_num_parameters(cfg: ModelConfig) -> int:
