@@ -20,8 +20,11 @@ def _run(args: argparse.Namespace, stage: str) -> int:
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     for stage, text in (
-        ("smoke", "train the byte-level smoke model on CPU; check the loss falls and resume is exact"),
-        ("pretrain", "pretrain the selected config (resumes from the last complete checkpoint)"),
+        (
+            "smoke",
+            "stage 4: train the byte-level smoke model on CPU; check the loss falls and resume is exact",
+        ),
+        ("pretrain", "stage 5: pretrain the selected config (resumes from the last complete checkpoint)"),
     ):
         p = sub.add_parser(
             stage,
