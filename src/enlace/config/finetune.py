@@ -24,7 +24,7 @@ class FinetuneConfig(Strict):
     val_data: str = "assets/instruct/es_familia_val.jsonl"
     format: Literal["dolly", "chat"] = "dolly"
     system_prompt: str | None = None  # null: the chat template's own default system message
-    steps: int = Field(default=100, gt=0)
+    steps: int = Field(default=80, gt=0)
     micro_batch: int = Field(default=4, gt=0)
     grad_accum: int = Field(default=1, gt=0)
     lr: float = Field(default=1e-3, gt=0)

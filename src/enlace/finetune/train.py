@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -115,6 +116,9 @@ def finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progr
     params = [p for _, p in named]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
     start = 0
+    if fresh and ckpt_root.exists():
+        # A stale higher-step checkpoint of an earlier run would otherwise win the next resume.
+        shutil.rmtree(ckpt_root)
     found = None if fresh else latest_checkpoint(ckpt_root)
     if found is not None:
         path, tensors, meta = found
@@ -144,7 +148,7 @@ def finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progr
 
     model.train()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="finetune")
-    last = {}
+    last = json.loads(kept[-1]) if kept else {}
     with open(metrics_path, "a", encoding="utf-8") as log:
         for step in bar:
             t0 = time.perf_counter()
