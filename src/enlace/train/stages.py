@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from ..config import Config, save_resolved
 from ..errors import EnlaceError
+from ..estimate import preflight
 from ..hardware import check_device
 from . import dist as D
 from .checkpoint import list_checkpoints
@@ -35,6 +36,8 @@ class SmokeError(EnlaceError):
 def _prepare(cfg: Config, run_dir: Path, fresh: bool) -> D.DistInfo:
     # The device check comes before anything touches data or the run directory.
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware profile"))
+    # Memory preflight: a step that cannot fit fails now, with the micro-batch that does, not at step 1.
+    preflight(cfg)
     info = D.init_distributed(cfg.hardware.device, cfg.train.world_size)
     if info.is_main:
         if fresh and run_dir.exists():
@@ -61,7 +64,16 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
         "config_hash": cfg.hash,
     }
     plot_loss(records, run_dir / "loss.png", title=f"{cfg.model.name} / {cfg.train.name}")
+    write_curves(records, run_dir / "curves.csv")
     return summary
+
+
+def write_curves(records: list[dict[str, Any]], path: Path) -> None:
+    """step, loss, lr as CSV: what `dvc plots show` draws (it reads CSV/JSON, not jsonl)."""
+    rows = ["step,loss,lr"] + [f"{r['step']},{r['loss']:.6f},{r['lr']:.6g}" for r in records if "loss" in r]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
