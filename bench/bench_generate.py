@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_for_generation(folder)
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # No stop token on either side; min_new_tokens would instead mask eos in the logits and change the argmax.
+    hf.generation_config.eos_token_id = None
     x = torch.tensor([ids])
     out: dict[str, list[int]] = {}
 
