@@ -35,13 +35,18 @@ def _generate(args: argparse.Namespace) -> int:
     device = args.device
     if (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
-        from ..finetune.generation import load_for_generation
+        from ..finetune.chat import load_for_generation
 
-        model, tok = load_for_generation(
-            model_dir, Path(args.adapter) if args.adapter else None, device=device
-        )
-        ids = tok.encode_prompt(args.prompt, chat=not args.raw)
-        eos, decode = tok.eos_ids, tok.decode
+        model, tok = load_for_generation(model_dir, Path(args.adapter) if args.adapter else None, device=device)
+        if args.raw:
+            ids = tok.encode(args.prompt)
+        else:
+            ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        eos = tok.eos_ids
+
+        def decode(new: list[int]) -> str:
+            return tok.decode(new, skip_special_tokens=True)
+
         prefix = args.prompt if args.raw else ""
     else:
         from ..text import codec_for

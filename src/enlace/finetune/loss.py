@@ -2,32 +2,18 @@
 
 The head (vocab x d) is the single largest matmul of a small model, and its logits' softmax is the
 largest activation; prompt and padding positions carry no label, so their logits are never computed.
+The head and cross-entropy run fused and chunked (model.fused_lm_loss): with the head frozen under LoRA,
+its [vocab, d] gradient is never formed either.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ..model import IGNORE_INDEX, Llama, rope_cos_sin
-
-
-def hidden_states(model: Llama, idx: torch.Tensor) -> torch.Tensor:
-    """The decoder's output before the final norm and the head (Llama.forward without them)."""
-    T = idx.shape[1]
-    if T > model.cfg.seq_len:
-        raise ValueError(f"sequence of {T} tokens exceeds the window of {model.cfg.seq_len}")
-    cos, sin = rope_cos_sin(model.cfg.head_dim, torch.arange(T, device=idx.device), model.cfg.rope_theta)
-    x = model.model.embed_tokens(idx)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    for i, block in enumerate(model.model.layers):
-        x = block(x, cos, sin, None, i)
-    return x
+from ..model import IGNORE_INDEX, Llama, fused_lm_loss
 
 
-def assistant_loss_sum(
-    model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, int]:
+def assistant_loss_sum(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over labelled next tokens, and their count (labels aligned with input_ids)."""
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
@@ -36,7 +22,7 @@ def assistant_loss_sum(
         return input_ids.new_zeros((), dtype=torch.float32), 0
     # Positions after the last label influence no labelled token under causal attention: skip them.
     last = int(keep.any(0).nonzero().max()) + 1
-    h = hidden_states(model, input_ids[:, :last])
-    sel = h[keep[:, :last]]
-    logits = model.lm_head(model.model.norm(sel)).float()
-    return F.cross_entropy(logits, targets[:, :last][keep[:, :last]], reduction="sum"), n
+    h = model.hidden_states(input_ids[:, :last])
+    mask = keep[:, :last]
+    loss, _, _ = fused_lm_loss(h[mask], model.lm_head.weight, targets[:, :last][mask], 0.0)
+    return loss * n, n
