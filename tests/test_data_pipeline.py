@@ -16,8 +16,8 @@ from enlace.data.corpus import build_corpus
 from enlace.data.loaders import ByteLoader, ShardLoader
 from enlace.data.shard import build_shards
 from enlace.data.tokenize import build_tokenizer, split_sentence
-from enlace.data.util import sha256_file
 from enlace.errors import ConfigError, DataError
+from enlace.io import sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 NOUNS = "casa perro ciudad río montaña libro mesa camino puerta ventana pueblo barco jardín árbol".split()

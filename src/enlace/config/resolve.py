@@ -271,8 +271,6 @@ def show(cfg: Config) -> str:
 
 def save_resolved(cfg: Config, path: Path) -> None:
     """Every output that depends on a config carries the resolved config and its hash beside it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"hash": cfg.hash, "files": cfg.files, "config": cfg.to_dict()}
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    from ..io import atomic_write_json
+
+    atomic_write_json(path, {"hash": cfg.hash, "files": cfg.files, "config": cfg.to_dict()})

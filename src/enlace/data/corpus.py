@@ -15,10 +15,11 @@ from typing import Any
 from .. import paths
 from ..config.data import CleaningConfig, DataConfig, HfSource
 from ..errors import DataError
+from ..io import atomic_write_text, canonical_json
 from .clean import CleanStats, clean_document, exact_key, normalized_key, split_long
 from .extract import extract_file, list_files
 from .sources import Lock, Source, fetch_source
-from .util import atomic_write_text, canonical_json, log, progress
+from .util import log, progress
 
 
 @dataclass(frozen=True)

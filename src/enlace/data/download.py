@@ -11,7 +11,8 @@ import urllib.request
 from pathlib import Path
 
 from ..errors import DataError
-from .util import CHUNK, progress, sha256_file
+from ..io import CHUNK, sha256_file
+from .util import progress
 
 # Statuses worth retrying: the server or a proxy had a bad moment. Others (404, 403) will not change.
 RETRYABLE = {408, 425, 429, 500, 502, 503, 504}

@@ -6,7 +6,6 @@ import bz2
 import fnmatch
 import gettext
 import gzip
-import json
 import lzma
 import os
 import re
@@ -18,6 +17,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from ..errors import DataError
+from ..io import iter_jsonl
 
 # Man page sections: foo.1, foo.8.gz, foo.3pm.
 MAN_RE = re.compile(r"\.[1-9][a-z]*(\.(gz|bz2|xz))?$")
@@ -187,21 +187,13 @@ def sword_chapters(conf: Path) -> Iterator[str]:
 
 
 def jsonl_texts(path: Path, column: str) -> Iterator[str]:
-    opener = COMPRESSED.get(path.suffix, open)
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:  # type: ignore[operator]
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON: {e.msg}") from None
-            if not isinstance(row, dict) or column not in row:
-                have = sorted(row) if isinstance(row, dict) else []
-                raise DataError(f"{path}:{lineno}: no text column {column!r}; columns are: {', '.join(have)}")
-            value = row[column]
-            if isinstance(value, str):
-                yield value
+    for lineno, row in iter_jsonl(path, COMPRESSED.get(path.suffix, open)):
+        if not isinstance(row, dict) or column not in row:
+            have = sorted(row) if isinstance(row, dict) else []
+            raise DataError(f"{path}:{lineno}: no text column {column!r}; columns are: {', '.join(have)}")
+        value = row[column]
+        if isinstance(value, str):
+            yield value
 
 
 def parquet_texts(path: Path, column: str) -> Iterator[str]:

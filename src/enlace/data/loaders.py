@@ -18,7 +18,7 @@ import torch
 
 from .. import paths
 from ..errors import DataError
-from .util import atomic_write_bytes, sha256_file
+from ..io import atomic_write_bytes, sha256_file
 
 
 class _Tokens:

@@ -18,8 +18,9 @@ import numpy as np
 
 from .. import paths
 from ..errors import DataError
+from ..io import atomic_write_text, canonical_json, fsync_dir, sha256_file
 from .tokenize import EOS_ID
-from .util import atomic_write_text, canonical_json, fsync_dir, log, progress, sha256_file
+from .util import log, progress
 
 DOCS_PER_TASK = 64
 _SP: Any = None  # the worker's tokenizer

@@ -13,8 +13,9 @@ from pathlib import Path
 
 from ..config.data import DebSource, HfSource, LocalSource, UrlSource
 from ..errors import DataError
+from ..io import canonical_json, sha256_file
 from .download import download
-from .util import canonical_json, log, sha256_file
+from .util import log
 
 Source = DebSource | UrlSource | HfSource | LocalSource
 

@@ -14,7 +14,8 @@ from typing import Any
 from .. import paths
 from ..config.data import TokenizerConfig
 from ..errors import DataError
-from .util import atomic_write_text, canonical_json, log, progress, sha256_file
+from ..io import atomic_write_text, canonical_json, sha256_file
+from .util import log, progress
 
 # Fixed special ids: the model, the loaders and the chat template all rely on them.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3

@@ -19,6 +19,7 @@ from ..config import Config, ModelConfig
 from ..errors import CheckpointError
 from ..generate import generate
 from ..hardware import autocast, check_device, sdpa_backend, setup_runtime
+from ..io import atomic_write_json
 from ..model import Llama
 from ..text import codec_for
 
@@ -120,7 +121,7 @@ def run_eval(
         metrics["smoke_val_bpb"] = json.loads(smoke.read_text()).get("val_bpb")
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "metrics.json", metrics)
+    atomic_write_json(out_dir / "metrics.json", metrics)
     lines = [
         f"# Samples from {ckpt.name} (temperature {cfg.eval.generation.temperature}, seed {cfg.eval.generation.seed})",
         "",
@@ -129,12 +130,6 @@ def run_eval(
     (out_dir / "samples.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot_run(run_dir, out_dir / "loss.png", metrics)
     return {"metrics": metrics, "samples": samples}
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
-    tmp.replace(path)
 
 
 def _plot_run(run_dir: Path, png: Path, metrics: dict[str, Any]) -> None:

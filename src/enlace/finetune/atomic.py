@@ -2,40 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_text(path: Path, text: str) -> None:
-    write_bytes(path, text.encode("utf-8"))
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+from ..io import fsync_file
 
 
 def write_safetensors(
@@ -46,7 +22,7 @@ def write_safetensors(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
     os.chmod(tmp, 0o644)  # safetensors creates 0600 files; the folder is meant to be shared
-    _fsync(tmp)
+    fsync_file(tmp)
     os.replace(tmp, path)
 
 

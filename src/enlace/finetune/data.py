@@ -7,13 +7,13 @@ turns and IGNORE_INDEX everywhere else. Examples longer than max_len are dropped
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import DataError
+from ..io import iter_jsonl
 from ..model import IGNORE_INDEX
 from .tokenizer import HFTokenizer, Message
 
@@ -61,35 +61,30 @@ def read_conversations(
     if not path.exists():
         raise DataError(f"{path}: not found")
     out: list[list[Message]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if fmt == "dolly":
-                missing = [k for k in ("instruction", "response") if not isinstance(row.get(k), str)]
-                if missing:
-                    raise DataError(f"{path}:{lineno}: dolly record lacks {missing}")
-                out.append(dolly_messages(row, system))
-            elif fmt == "chat":
-                msgs = row.get("messages")
-                if not isinstance(msgs, list) or not all(
-                    isinstance(m, dict)
-                    and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)
-                    for m in msgs
-                ):
-                    raise DataError(f'{path}:{lineno}: expected {{"messages": [{{"role", "content"}}, ...]}}')
-                if system and (not msgs or msgs[0]["role"] != "system"):
-                    msgs = [{"role": "system", "content": system}, *msgs]
-                out.append(msgs)
-            else:
-                raise DataError(f"unknown data format {fmt!r} (dolly or chat)")
-            if limit and len(out) >= limit:
-                break
+    for lineno, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        if fmt == "dolly":
+            missing = [k for k in ("instruction", "response") if not isinstance(row.get(k), str)]
+            if missing:
+                raise DataError(f"{path}:{lineno}: dolly record lacks {missing}")
+            out.append(dolly_messages(row, system))
+        elif fmt == "chat":
+            msgs = row.get("messages")
+            if not isinstance(msgs, list) or not all(
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+                for m in msgs
+            ):
+                raise DataError(f'{path}:{lineno}: expected {{"messages": [{{"role", "content"}}, ...]}}')
+            if system and (not msgs or msgs[0]["role"] != "system"):
+                msgs = [{"role": "system", "content": system}, *msgs]
+            out.append(msgs)
+        else:
+            raise DataError(f"unknown data format {fmt!r} (dolly or chat)")
+        if limit and len(out) >= limit:
+            break
     if not out:
         raise DataError(f"{path}: no examples")
     return out

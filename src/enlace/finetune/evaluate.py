@@ -11,7 +11,7 @@ from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import EnlaceError
 from ..hardware import setup_runtime
-from .atomic import write_json
+from ..io import atomic_write_json
 from .data import Dataset, collate, load_dataset
 from .hf import load_hf_folder
 from .lora import load_adapter, set_merged
@@ -82,5 +82,5 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
             for p, a, b in zip(cfg.eval_prompts, answers_before, answers_after, strict=True)
         ],
     }
-    write_json(Path(cfg.out) / "eval.json", result)
+    atomic_write_json(Path(cfg.out) / "eval.json", result)
     return result

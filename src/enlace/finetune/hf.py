@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EnlaceError
+from ..io import atomic_write_json
 from ..model import Llama
-from .atomic import write_json, write_safetensors
+from .atomic import write_safetensors
 from .hf_config import from_hf_config, to_hf_config
 
 WEIGHTS = "model.safetensors"
@@ -142,9 +143,9 @@ def save_hf_folder(
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight")  # safetensors refuses shared storage; transformers re-ties it
     write_safetensors(folder / WEIGHTS, state, metadata={"format": "pt"})
-    write_json(folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id))
+    atomic_write_json(folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id))
     gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
-    write_json(folder / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
+    atomic_write_json(folder / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import EnlaceError
-from .atomic import write_json, write_safetensors
+from ..io import atomic_write_json
+from .atomic import write_safetensors
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
@@ -163,7 +164,7 @@ def save_adapter(model: nn.Module, folder: Path, base_model: str) -> Path:
     if any(m.merged for m in lora_modules(model).values()):
         raise AdapterError("unmerge the adapters before saving them")
     write_safetensors(folder / ADAPTER_WEIGHTS, adapter_state(model), metadata={"format": "pt"})
-    write_json(folder / ADAPTER_CONFIG, adapter_config(model, base_model))
+    atomic_write_json(folder / ADAPTER_CONFIG, adapter_config(model, base_model))
     return folder
 
 

@@ -14,8 +14,8 @@ from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import CheckpointError
 from ..hardware import autocast, setup_runtime
+from ..io import atomic_write_text
 from ..train.checkpoint import latest_checkpoint, load_optimizer_tensors, optimizer_tensors, save_checkpoint
-from .atomic import write_text
 from .data import batch_indices, collate, load_dataset
 from .hf import load_hf_folder
 from .lora import inject_lora, lora_parameters, save_adapter
@@ -144,7 +144,7 @@ def finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progr
             for ln in metrics_path.read_text(encoding="utf-8").splitlines()
             if ln and json.loads(ln)["step"] <= start
         ]
-    write_text(metrics_path, "".join(ln + "\n" for ln in kept))
+    atomic_write_text(metrics_path, "".join(ln + "\n" for ln in kept))
 
     model.train()
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc="finetune")

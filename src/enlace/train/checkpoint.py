@@ -14,7 +14,6 @@ tensor groups. The trainer-level helpers below them flatten a model and an AdamW
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -27,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
+from ..io import fsync_dir, fsync_file, sha256_file
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -38,27 +38,6 @@ KILL_DURING_SAVE_ENV = "ENLACE_TEST_KILL_DURING_SAVE"
 
 def step_dirname(step: int) -> str:
     return f"step-{step:08d}"  # zero-padded so names sort like numbers
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -93,19 +72,19 @@ def save_checkpoint(
         name = f"{group}.safetensors"
         data = {k: v.detach().to("cpu").contiguous() for k, v in tensors[group].items()}
         save_file(data, str(tmp / name))
-        _fsync_file(tmp / name)
+        fsync_file(tmp / name)
         files[name] = sha256_file(tmp / name)
         if kill_at is not None and int(kill_at) == step:
             os.kill(os.getpid(), signal.SIGKILL)
     _write_text(tmp / META, _json({**meta, "step": step, "files": files}))
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if final.exists():
         # Re-saving a step (e.g. a resumed run stopping at the same step): the old copy goes first.
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _write_text(final / COMPLETE, sha256_file(final / META) + "\n")
-    _fsync_dir(final)
+    fsync_dir(final)
     if keep_last is not None:
         prune(root, keep_last)
     return final

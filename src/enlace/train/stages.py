@@ -6,7 +6,6 @@ mid-run checkpoint must reproduce the final weights bit for bit.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 import tempfile
@@ -20,6 +19,7 @@ from ..config import Config, save_resolved
 from ..errors import EnlaceError
 from ..estimate import preflight
 from ..hardware import check_device
+from ..io import atomic_write_json, atomic_write_text
 from . import dist as D
 from .checkpoint import list_checkpoints
 from .metrics import plot_loss, read_jsonl
@@ -71,15 +71,7 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
 def write_curves(records: list[dict[str, Any]], path: Path) -> None:
     """step, loss, lr as CSV: what `dvc plots show` draws (it reads CSV/JSON, not jsonl)."""
     rows = ["step,loss,lr"] + [f"{r['step']},{r['loss']:.6f},{r['lr']:.6g}" for r in records if "loss" in r]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    tmp.replace(path)
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(path, "\n".join(rows) + "\n")
 
 
 def final_weights_equal(a: Path, b: Path) -> bool:
@@ -125,7 +117,7 @@ def smoke(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False
     summary["resume_exact"] = exact
     summary["resume_checked_from_step"] = from_step
     if info.is_main:
-        _write_json(run_dir / "metrics.json", summary)
+        atomic_write_json(run_dir / "metrics.json", summary)
     if not exact:
         raise SmokeError(
             f"smoke: resuming from step {from_step} did not reproduce the final weights bit for bit"
@@ -144,7 +136,7 @@ def pretrain(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = Fa
         return result.exit_code
     if info.is_main:
         summary = summarise(cfg, run_dir, result)
-        _write_json(run_dir / "metrics.json", summary)
+        atomic_write_json(run_dir / "metrics.json", summary)
         print(
             f"pretrain: {result.step} steps, train loss {summary['final_train_loss']:.3f}, "
             f"val loss {summary['val_loss']:.3f} ({summary['val_bpb']:.3f} bits/byte), "
