@@ -48,19 +48,21 @@ gpu-check: $(STAMP)
 # (DVC tracks it, so stages whose resolved config changes re-run and dvc.lock records the profile): the
 # container sets it, then runs `dvc repro`. The edit stays in the work tree, visible in `git diff`.
 DOCKER_RUN = docker run --rm -v "$(CURDIR)":/work -w /work --user $$(id -u):$$(id -g) -e HOME=/tmp/home
-select_hw = sed -i 's/^\(  hardware:\).*/\1 $(1)/' params.yaml
+# Point params.yaml's `config:` block at the card's layers (hardware, model, train, data): every stage reads
+# them and dvc.lock records them, so the change shows in `git diff`.
+select = sed -i '/^config:/,/^[a-z]/{s/^\(  hardware:\).*/\1 $(1)/;s/^\(  model:\).*/\1 $(2)/;s/^\(  train:\).*/\1 $(3)/;s/^\(  data:\).*/\1 $(4)/}' params.yaml
 
 docker-cpu:
 	docker build --target cpu -t enlace:cpu .
-	$(DOCKER_RUN) enlace:cpu sh -c "$(call select_hw,cpu) && dvc repro"
+	$(DOCKER_RUN) enlace:cpu sh -c "$(call select,cpu,cpu-small,cpu-small,es-debian) && dvc repro"
 
 docker-2060:
 	docker build --target turing -t enlace:turing .
-	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select_hw,rtx2060) && dvc repro"
+	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select,rtx2060,tiny-50m,tiny-50m-2060,es-debian-full) && dvc repro"
 
 docker-5090:
 	docker build --target blackwell -t enlace:blackwell .
-	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select_hw,rtx5090) && dvc repro"
+	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select,rtx5090,tiny-50m,tiny-50m-5090,es-debian-full) && dvc repro"
 
 # Re-resolve the base image digests (needs Docker and registry access); then update the Dockerfile's FROM
 # lines to match (tests/test_docker.py fails until they agree).
