@@ -99,7 +99,7 @@ def bench_shape(name: str, seq: int, batch: int, rounds: int, compile_too: bool,
     print(line(f"{label} [eager]", stats["enlace"], stats["transformers"], "transformers"))
     if compile_too:
         print(line(f"{label} [{best} vs compiled]", stats[best], stats["transformers-compiled"], "transformers-compiled"))
-    print(f"  MFU: " + ", ".join(f"{k} {v['mfu']:.0%}" for k, v in stats.items()))
+    print("  MFU: " + ", ".join(f"{k} {v['mfu']:.0%}" for k, v in stats.items()))
     return {"shape": {"model": name, "seq": seq, "batch": batch}, "flops_per_step": flops, "stats": stats, "best": best}
 
 

@@ -41,6 +41,16 @@ class SentencePieceCodec:
         return self.sp.decode([i for i in ids if i not in self.eos_ids])
 
 
+def continuation(codec: ByteCodec | SentencePieceCodec, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text the new tokens add after the prompt.
+
+    Decoding the new tokens alone would drop the space a piece like "▁los" carries at the start of a
+    decoded string ("La ciudad de" + "los" instead of " los"), so decode both and take the difference.
+    """
+    prompt = codec.decode(prompt_ids)
+    return codec.decode(prompt_ids + new_ids)[len(prompt) :]
+
+
 def codec_for(loader_kind: str, tokenizer_dir: Path) -> ByteCodec | SentencePieceCodec:
     if loader_kind == "bytes":
         return ByteCodec()

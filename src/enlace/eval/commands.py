@@ -33,15 +33,19 @@ def _generate(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model)
     device = args.device
-    if (model_dir / "config.json").exists():
+    if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
         from ..finetune.chat import load_for_generation
 
-        model, tok = load_for_generation(model_dir, Path(args.adapter) if args.adapter else None, device=device)
+        model, tok = load_for_generation(
+            model_dir, Path(args.adapter) if args.adapter else None, device=device
+        )
         if args.raw:
             ids = tok.encode(args.prompt)
         else:
-            ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+            ids = tok.apply_chat_template(
+                [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+            )
         eos = tok.eos_ids
 
         def decode(new: list[int]) -> str:
@@ -49,14 +53,18 @@ def _generate(args: argparse.Namespace) -> int:
 
         prefix = args.prompt if args.raw else ""
     else:
-        from ..text import codec_for
+        from ..text import codec_for, continuation
         from .evaluate import load_trained_model
 
         if args.adapter:
             raise EnlaceError("--adapter applies to Hugging Face model folders; export the run first")
         model, meta, _ = load_trained_model(model_dir, device)
         codec = codec_for(meta["config"]["train"]["loader"], paths.TOKENIZER)
-        ids, eos, decode, prefix = codec.encode(args.prompt), codec.eos_ids, codec.decode, args.prompt
+        ids, eos, prefix = codec.encode(args.prompt), codec.eos_ids, args.prompt
+
+        def decode(new: list[int]) -> str:
+            return continuation(codec, ids, new)
+
     sys.stdout.write(prefix)
     sys.stdout.flush()
     new: list[int] = []

