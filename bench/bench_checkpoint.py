@@ -51,7 +51,10 @@ def main() -> int:
             for group, ts in tensors.items():
                 save_file(ts, str(root / "bare" / f"{group}.safetensors"))
 
-        save = {k: summary(v) for k, v in alternate({"enlace": ours_save, "safetensors": bare_save}, rounds).items()}
+        save = {
+            k: summary(v)
+            for k, v in alternate({"enlace": ours_save, "safetensors": bare_save}, rounds).items()
+        }
         ours_dir = sorted((root / "ours").glob("step-*"))[-1]
 
         def ours_load() -> None:
@@ -61,14 +64,20 @@ def main() -> int:
             for group in tensors:
                 load_file(str(root / "bare" / f"{group}.safetensors"))
 
-        load = {k: summary(v) for k, v in alternate({"enlace": ours_load, "safetensors": bare_load}, rounds).items()}
+        load = {
+            k: summary(v)
+            for k, v in alternate({"enlace": ours_load, "safetensors": bare_load}, rounds).items()
+        }
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"checkpoint of {nbytes / 2**20:.0f} MiB (weights + AdamW moments)")
     print(line("load", load["enlace"], load["safetensors"], "safetensors"))
     write_result("checkpoint", {"bytes": nbytes, "save": save, "load": load})
     ratio = save["enlace"]["median_s"] / save["safetensors"]["median_s"]
-    print(line("save", save["enlace"], save["safetensors"], "safetensors") + f"; enlace/bare = {ratio:.2f}x (goal <= 1.3x)")
+    print(
+        line("save", save["enlace"], save["safetensors"], "safetensors")
+        + f"; enlace/bare = {ratio:.2f}x (goal <= 1.3x)"
+    )
     return 0
 
 

@@ -69,7 +69,9 @@ def make_step(model, optimizer, x, y, hf: bool):
     return step
 
 
-def bench_shape(name: str, seq: int, batch: int, rounds: int, compile_too: bool, peak: float, train_cfg) -> dict:
+def bench_shape(
+    name: str, seq: int, batch: int, rounds: int, compile_too: bool, peak: float, train_cfg
+) -> dict:
     cfg = load_config("params.yaml", layers=("model",), select={"model": name}).model
     cfg = cfg.model_copy(update={"seq_len": seq, "qk_norm": False, "z_loss_weight": 0.0})
     torch.manual_seed(0)
@@ -80,11 +82,15 @@ def bench_shape(name: str, seq: int, batch: int, rounds: int, compile_too: bool,
     peer.load_state_dict(ours.state_dict(), strict=False)  # same starting weights
     contenders = {
         "enlace": make_step(ours, build_optimizer(ours, train_cfg.optimizer), x, y, hf=False),
-        "transformers": make_step(peer, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True),
+        "transformers": make_step(
+            peer, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True
+        ),
     }
     if compile_too:
         ours_c, peer_c = torch.compile(ours), torch.compile(peer)
-        contenders["enlace-compiled"] = make_step(ours_c, build_optimizer(ours, train_cfg.optimizer), x, y, hf=False)
+        contenders["enlace-compiled"] = make_step(
+            ours_c, build_optimizer(ours, train_cfg.optimizer), x, y, hf=False
+        )
         contenders["transformers-compiled"] = make_step(
             peer_c, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True
         )
@@ -94,13 +100,27 @@ def bench_shape(name: str, seq: int, batch: int, rounds: int, compile_too: bool,
     for s in stats.values():
         s["tokens_per_s"] = batch * seq / s["median_s"]
         s["mfu"] = flops / s["median_s"] / (peak * 1e9)
-    best = min(("enlace", "enlace-compiled") if compile_too else ("enlace",), key=lambda k: stats[k]["median_s"])
+    best = min(
+        ("enlace", "enlace-compiled") if compile_too else ("enlace",), key=lambda k: stats[k]["median_s"]
+    )
     label = f"pretrain {name} seq {seq} batch {batch}"
     print(line(f"{label} [eager]", stats["enlace"], stats["transformers"], "transformers"))
     if compile_too:
-        print(line(f"{label} [{best} vs compiled]", stats[best], stats["transformers-compiled"], "transformers-compiled"))
+        print(
+            line(
+                f"{label} [{best} vs compiled]",
+                stats[best],
+                stats["transformers-compiled"],
+                "transformers-compiled",
+            )
+        )
     print("  MFU: " + ", ".join(f"{k} {v['mfu']:.0%}" for k, v in stats.items()))
-    return {"shape": {"model": name, "seq": seq, "batch": batch}, "flops_per_step": flops, "stats": stats, "best": best}
+    return {
+        "shape": {"model": name, "seq": seq, "batch": batch},
+        "flops_per_step": flops,
+        "stats": stats,
+        "best": best,
+    }
 
 
 def main() -> int:
@@ -112,10 +132,15 @@ def main() -> int:
     print(f"matmul peak: {peak:.0f} GFLOP/s on {torch.get_num_threads()} threads")
     results = [bench_shape(n, s, b, rounds, compile_too, peak, train_cfg) for n, s, b in shapes]
     write_result("pretrain", {"peak_gflops": peak, "rounds": rounds, "results": results})
-    worst_eager = min(r["stats"]["transformers"]["median_s"] / r["stats"][r["best"]]["median_s"] for r in results)
+    worst_eager = min(
+        r["stats"]["transformers"]["median_s"] / r["stats"][r["best"]]["median_s"] for r in results
+    )
     summary_line = f"pretrain: worst ratio vs transformers eager {worst_eager:.2f}x"
     if compile_too:
-        worst_c = min(r["stats"]["transformers-compiled"]["median_s"] / r["stats"][r["best"]]["median_s"] for r in results)
+        worst_c = min(
+            r["stats"]["transformers-compiled"]["median_s"] / r["stats"][r["best"]]["median_s"]
+            for r in results
+        )
         summary_line += f", vs transformers compiled {worst_c:.2f}x"
     print(summary_line)
     return 0

@@ -27,7 +27,9 @@ MAX_DOCS = 3000
 
 def _generated(tmp: Path) -> tuple[list[str], Path]:
     rng = random.Random(0)
-    words = "el la de que en los las un una por con para casa ciudad río camino libro tiempo mundo agua".split()
+    words = (
+        "el la de que en los las un una por con para casa ciudad río camino libro tiempo mundo agua".split()
+    )
     docs = [" ".join(rng.choice(words) for _ in range(rng.randint(200, 800))) for _ in range(2000)]
     corpus = tmp / "corpus"
     corpus.mkdir()
@@ -67,21 +69,32 @@ def main() -> dict:
         mb = sum(len(d.encode()) for d in docs) / 1e6
         times: dict[str, list[float]] = {"single": [], "parallel": []}
         for _ in range(REPEATS):  # interleaved, so a noisy neighbour hits both alike
-            for name, fn in (("single", lambda: _single(docs, model)), ("parallel", lambda: _parallel(docs, model, workers))):
+            for name, fn in (
+                ("single", lambda: _single(docs, model)),
+                ("parallel", lambda: _parallel(docs, model, workers)),
+            ):
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     result = {
-        "source": source, "docs": len(docs), "mb": mb, "workers": workers, "repeats": REPEATS,
-        "seconds": times, "median_s": med, "mb_per_s": {k: mb / v for k, v in med.items()},
+        "source": source,
+        "docs": len(docs),
+        "mb": mb,
+        "workers": workers,
+        "repeats": REPEATS,
+        "seconds": times,
+        "median_s": med,
+        "mb_per_s": {k: mb / v for k, v in med.items()},
         "ratio": med["single"] / med["parallel"],
     }
     out = Path("bench/results/shard.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     for k in ("single", "parallel"):
-        print(f"{k}: median {med[k]:.3f} s ({mb / med[k]:.2f} MB/s), min-max {min(times[k]):.3f}-{max(times[k]):.3f} s")
+        print(
+            f"{k}: median {med[k]:.3f} s ({mb / med[k]:.2f} MB/s), min-max {min(times[k]):.3f}-{max(times[k]):.3f} s"
+        )
     print(f"shard throughput: parallel ({workers} workers) / single = {result['ratio']:.2f}x on {mb:.1f} MB")
     return result
 

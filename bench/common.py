@@ -26,7 +26,9 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def alternate(contenders: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1) -> dict[str, list[float]]:
+def alternate(
+    contenders: dict[str, Callable[[], Any]], rounds: int, warmup: int = 1
+) -> dict[str, list[float]]:
     """Run each contender `warmup` times, then `rounds` times in alternating order; seconds per call."""
     for fn in contenders.values():
         for _ in range(warmup):
@@ -41,7 +43,12 @@ def alternate(contenders: dict[str, Callable[[], Any]], rounds: int, warmup: int
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    return {"median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds), "n": len(seconds)}
+    return {
+        "median_s": statistics.median(seconds),
+        "min_s": min(seconds),
+        "max_s": max(seconds),
+        "n": len(seconds),
+    }
 
 
 def matmul_peak_gflops(n: int = 2048, repeats: int = 6) -> float:

@@ -112,17 +112,31 @@ def test_interrupted_download_resumes_with_range(server, tmp_path):
     assert len(h.hits) == 2 and h.hits[0][1] is None and h.hits[1][1] == f"bytes={len(body) // 2}-"
 
 
-def _hf_config(base: str, files: list[str], column: str = "text", sha: dict[str, str] | None = None) -> DataConfig:
-    return DataConfig.model_validate({
-        "name": "hf-test",
-        "val_fraction": 0.2,
-        "cleaning": {"min_doc_chars": 50},
-        "sources": [{
-            "name": "wiki", "kind": "hf", "repo": "org/wiki", "revision": "abc123", "files": files,
-            "endpoint": base, "text_column": column, "sha256": sha or {}, "extractor": "jsonl", "retries": 0,
-            "timeout_s": 5,
-        }],
-    })
+def _hf_config(
+    base: str, files: list[str], column: str = "text", sha: dict[str, str] | None = None
+) -> DataConfig:
+    return DataConfig.model_validate(
+        {
+            "name": "hf-test",
+            "val_fraction": 0.2,
+            "cleaning": {"min_doc_chars": 50},
+            "sources": [
+                {
+                    "name": "wiki",
+                    "kind": "hf",
+                    "repo": "org/wiki",
+                    "revision": "abc123",
+                    "files": files,
+                    "endpoint": base,
+                    "text_column": column,
+                    "sha256": sha or {},
+                    "extractor": "jsonl",
+                    "retries": 0,
+                    "timeout_s": 5,
+                }
+            ],
+        }
+    )
 
 
 def _jsonl_gz(rows: list[dict[str, str]]) -> bytes:
@@ -174,12 +188,26 @@ def test_deb_source_unpacks_a_tiny_package(tmp_path):
     raw = tmp_path / "raw" / "deb"
     raw.mkdir(parents=True)
     deb = raw / "enlace-test_1.0.deb"
-    subprocess.run(["dpkg-deb", "--build", "--root-owner-group", str(pkg), str(deb)], check=True, capture_output=True)
-    data = DataConfig.model_validate({
-        "name": "deb-test", "val_fraction": 0.01, "cleaning": {"min_doc_chars": 50, "dedup": False},
-        "sources": [{"name": "tiny", "kind": "deb", "package": "enlace-test", "version": "1.0",
-                     "sha256": _sha(deb.read_bytes()), "include": ["usr/share/doc/*.html"]}],
-    })
+    subprocess.run(
+        ["dpkg-deb", "--build", "--root-owner-group", str(pkg), str(deb)], check=True, capture_output=True
+    )
+    data = DataConfig.model_validate(
+        {
+            "name": "deb-test",
+            "val_fraction": 0.01,
+            "cleaning": {"min_doc_chars": 50, "dedup": False},
+            "sources": [
+                {
+                    "name": "tiny",
+                    "kind": "deb",
+                    "package": "enlace-test",
+                    "version": "1.0",
+                    "sha256": _sha(deb.read_bytes()),
+                    "include": ["usr/share/doc/*.html"],
+                }
+            ],
+        }
+    )
     build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", None, workers=1)
     text = (tmp_path / "corpus" / "train.jsonl").read_text(encoding="utf-8")
     assert "puentes" in text and "var a" not in text and "Siguiente" not in text
@@ -196,14 +224,19 @@ def test_hf_parquet_source_reads_the_text_column(server, tmp_path):
     import pyarrow.parquet as pq
 
     base, h = server
-    table = pa.table({"id": [str(i) for i in range(12)], "text": [f"{SPANISH} Parte {_word(i)}." for i in range(12)]})
+    table = pa.table(
+        {"id": [str(i) for i in range(12)], "text": [f"{SPANISH} Parte {_word(i)}." for i in range(12)]}
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
     h.files["/datasets/org/wiki/resolve/abc123/es/train-0.parquet"] = buf.getvalue()
     data = DataConfig.model_validate(
-        {**_hf_config(base, ["es/train-0.parquet"]).model_dump(), "sources": [
-            {**_hf_config(base, ["es/train-0.parquet"]).sources[0].model_dump(), "extractor": "parquet"}
-        ]}
+        {
+            **_hf_config(base, ["es/train-0.parquet"]).model_dump(),
+            "sources": [
+                {**_hf_config(base, ["es/train-0.parquet"]).sources[0].model_dump(), "extractor": "parquet"}
+            ],
+        }
     )
     m = build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", None, workers=1)
     assert m["total"]["docs"] == 12

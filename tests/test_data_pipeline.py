@@ -88,8 +88,12 @@ def test_empty_source_after_cleaning_names_the_source(tmp_path):
     eng = tmp_path / "english"
     eng.mkdir()
     (eng / "a.txt").write_text("The quick brown fox jumps over the lazy dog and it is fine.\n" * 20)
-    data = data_config([{"name": "gen", "kind": "local", "path": str(src)},
-                        {"name": "inglés", "kind": "local", "path": str(eng)}])
+    data = data_config(
+        [
+            {"name": "gen", "kind": "local", "path": str(src)},
+            {"name": "inglés", "kind": "local", "path": str(eng)},
+        ]
+    )
     with pytest.raises(DataError, match="source inglés: no documents left"):
         build_corpus(data, "h", tmp_path / "raw", tmp_path / "c", None, workers=1)
     empty = tmp_path / "empty"
@@ -102,8 +106,12 @@ def test_empty_source_after_cleaning_names_the_source(tmp_path):
 def test_max_fraction_caps_a_source(tmp_path):
     a = make_text_source(tmp_path / "a", 60, seed=1)
     b = make_text_source(tmp_path / "b", 20, seed=2)
-    data = data_config([{"name": "big", "kind": "local", "path": str(a), "max_fraction": 0.3},
-                        {"name": "small", "kind": "local", "path": str(b)}])
+    data = data_config(
+        [
+            {"name": "big", "kind": "local", "path": str(a), "max_fraction": 0.3},
+            {"name": "small", "kind": "local", "path": str(b)},
+        ]
+    )
     m = build_corpus(data, "h", tmp_path / "raw", tmp_path / "c", None, workers=1)
     share = m["sources"]["big"]["chars"] / m["total"]["chars"]
     assert 0.2 < share <= 0.3 and m["sources"]["big"]["capped_docs_dropped"] > 0
@@ -119,8 +127,11 @@ def test_long_sentences_are_split_not_skipped(tmp_path):
     rng = random.Random(4)
     docs = [spanish(rng, 3) for _ in range(200)] + [line]
     (corpus / "train.jsonl").write_text("".join(json.dumps({"source": "s", "text": d}) + "\n" for d in docs))
-    rep = build_tokenizer(TokenizerConfig(type="bpe", vocab_size=300, max_sentence_length=1000, num_threads=1),
-                          corpus, tmp_path / "tok")
+    rep = build_tokenizer(
+        TokenizerConfig(type="bpe", vocab_size=300, max_sentence_length=1000, num_threads=1),
+        corpus,
+        tmp_path / "tok",
+    )
     assert rep["training_input"]["long_lines_split"] == 1
     assert rep["training_input"]["pieces_from_long_lines"] == len(pieces)
 
@@ -128,7 +139,9 @@ def test_long_sentences_are_split_not_skipped(tmp_path):
 def test_tokenizer_is_deterministic(built, tmp_path):
     tok = TokenizerConfig(type="bpe", vocab_size=400, num_threads=1)
     build_tokenizer(tok, built / "corpus", tmp_path / "tok2")
-    assert sha256_file(tmp_path / "tok2" / "tokenizer.model") == sha256_file(built / "tok" / "tokenizer.model")
+    assert sha256_file(tmp_path / "tok2" / "tokenizer.model") == sha256_file(
+        built / "tok" / "tokenizer.model"
+    )
     rep = json.loads((built / "tok" / "report.json").read_text())
     assert rep["special_ids"] == {"pad": 0, "unk": 1, "bos": 2, "eos": 3}
     import sentencepiece as spm
@@ -147,7 +160,9 @@ def test_shards_match_direct_encoding(built):
     sp = spm.SentencePieceProcessor(model_file=str(built / "tok" / "tokenizer.model"))
     docs = [json.loads(x)["text"] for x in (built / "corpus" / "train.jsonl").read_text().splitlines()]
     expect = [t for d in docs for t in sp.encode(d) + [3]]
-    got = np.concatenate([np.fromfile(built / "shards" / s["file"], dtype=np.uint16) for s in m["splits"]["train"]["shards"]])
+    got = np.concatenate(
+        [np.fromfile(built / "shards" / s["file"], dtype=np.uint16) for s in m["splits"]["train"]["shards"]]
+    )
     assert got.tolist() == expect
 
 
@@ -186,8 +201,14 @@ def test_failed_shard_write_leaves_no_complete_looking_output(built, tmp_path):
 
 def test_vocab_that_does_not_fit_the_dtype_is_a_config_error():
     with pytest.raises(ConfigError, match="uint16"):
-        load_config(ROOT / "params.yaml", overrides=[
-            "data.shard.dtype=uint16", "data.tokenizer.vocab_size=70000", "model.vocab_size=70000"])
+        load_config(
+            ROOT / "params.yaml",
+            overrides=[
+                "data.shard.dtype=uint16",
+                "data.tokenizer.vocab_size=70000",
+                "model.vocab_size=70000",
+            ],
+        )
 
 
 @pytest.mark.parametrize("cls", ["bytes", "shards"])

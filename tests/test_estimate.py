@@ -150,8 +150,14 @@ def test_parts_follow_the_formulas() -> None:
     n = Llama(SMALL).num_parameters()
     assert est.parts["weights (fp32)"] == 4 * n
     assert est.parts["AdamW moments (2 x fp32)"] == 8 * n
-    assert est.parts["logits + loss"] == logits_loss_bytes(SMALL, "fp32", 4, 256) == (
-        min(4 * 256, (1 << 24) // 8192) * 8192 * 8 + 4 * 4 * 256 * SMALL.d_model + 8 * 8192 * SMALL.d_model
+    assert (
+        est.parts["logits + loss"]
+        == logits_loss_bytes(SMALL, "fp32", 4, 256)
+        == (
+            min(4 * 256, (1 << 24) // 8192) * 8192 * 8
+            + 4 * 4 * 256 * SMALL.d_model
+            + 8 * 8192 * SMALL.d_model
+        )
     )
     # activations and logits grow linearly in the batch
     assert activation_bytes(SMALL, "fp32", "flash", 8, 256) == 2 * activation_bytes(

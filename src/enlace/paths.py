@@ -9,5 +9,7 @@ TOKENIZER = DATA / "tokenizer"  # tokenizer.model, tokenizer.vocab, report.json
 SHARDS = DATA / "shards"  # train-*.bin, val-*.bin, manifest.json
 MODELS = Path("models")  # imported base models (Hugging Face folders)
 RUNS = Path("runs")  # checkpoints, metrics and plots of each stage
-SMOLLM2_DIR = MODELS / "smollm2-135m-instruct"  # the offline default base model, built by `enlace import-gguf`
+SMOLLM2_DIR = (
+    MODELS / "smollm2-135m-instruct"
+)  # the offline default base model, built by `enlace import-gguf`
 PYPI_CACHE = RAW / "pypi"  # wheels fetched from PyPI (checksummed)

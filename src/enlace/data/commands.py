@@ -35,7 +35,11 @@ def _shard(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     for name, fn, text in (
-        ("fetch", _fetch, "stage 1: download the data config's sources, extract and clean them into data/corpus"),
+        (
+            "fetch",
+            _fetch,
+            "stage 1: download the data config's sources, extract and clean them into data/corpus",
+        ),
         ("tokenize", _tokenize, "stage 2: train the sentencepiece tokenizer on the training split"),
         ("shard", _shard, "stage 3: encode the corpus into token shards on all cores"),
     ):

@@ -77,7 +77,9 @@ def extract_sources(
     for src in data.sources:
         files = _files_of(src, roots[src.name])
         if not files:
-            raise DataError(f"source {src.name}: no files to extract under {roots[src.name]} (check include/exclude)")
+            raise DataError(
+                f"source {src.name}: no files to extract under {roots[src.name]} (check include/exclude)"
+            )
         tasks.extend((src.name, (kind, str(p), src.text_column, cleaning)) for _, p, kind in files)
     docs: dict[str, list[str]] = {s.name: [] for s in data.sources}
     stats: dict[str, CleanStats] = {s.name: CleanStats() for s in data.sources}
@@ -287,7 +289,9 @@ def build_corpus(
     if not train:
         raise DataError(f"data config {data.name}: the corpus is empty after cleaning and splitting")
     if not val:
-        log(f"corpus: warning: the val split is empty (val_fraction {data.val_fraction}, {len(train)} train docs)")
+        log(
+            f"corpus: warning: the val split is empty (val_fraction {data.val_fraction}, {len(train)} train docs)"
+        )
     manifest = write_corpus(out, data, config_hash, train, val, stats, dups, capped)
     t = manifest["total"]
     log(

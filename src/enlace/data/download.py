@@ -34,14 +34,26 @@ def _attempt(url: str, part: Path, timeout: float) -> bool:
         status = resp.status
         if status == 206:
             mode = "ab"
-            total = have + int(resp.headers.get("Content-Length", -1)) if resp.headers.get("Content-Length") else None
+            total = (
+                have + int(resp.headers.get("Content-Length", -1))
+                if resp.headers.get("Content-Length")
+                else None
+            )
         else:  # 200: the server ignored the Range header, start over
             mode, have = "wb", 0
             cl = resp.headers.get("Content-Length")
             total = int(cl) if cl is not None else None
-        with open(part, mode) as f, progress(
-            total=total, initial=have, unit="B", unit_scale=True, desc=f"fetch {Path(url).name[:40]}", leave=False
-        ) as bar:
+        with (
+            open(part, mode) as f,
+            progress(
+                total=total,
+                initial=have,
+                unit="B",
+                unit_scale=True,
+                desc=f"fetch {Path(url).name[:40]}",
+                leave=False,
+            ) as bar,
+        ):
             while True:
                 chunk = resp.read(CHUNK)
                 if not chunk:
@@ -81,7 +93,13 @@ def download(url: str, dest: Path, sha256: str | None = None, timeout: float = 6
             if e.code not in RETRYABLE:
                 raise DataError(f"{url}: HTTP {e.code} {e.reason}") from None
             last = e
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError) as e:
+        except (
+            urllib.error.URLError,
+            http.client.HTTPException,
+            ConnectionError,
+            TimeoutError,
+            OSError,
+        ) as e:
             last = e
     else:
         raise DataError(f"{url}: download failed after {retries + 1} attempts: {last}")

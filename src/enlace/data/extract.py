@@ -76,9 +76,44 @@ class _TextParser(HTMLParser):
     """Collects the text of HTML or XML, one line per block element, skipping tags that are not prose."""
 
     BLOCK = {
-        "p", "div", "br", "li", "ul", "ol", "dl", "dt", "dd", "tr", "table", "section", "article", "h1", "h2",
-        "h3", "h4", "h5", "h6", "pre", "blockquote", "title", "td", "th", "hr", "figure", "caption", "item",
-        "list", "steps", "note", "terms", "tree", "page", "links", "synopsis", "example", "body",
+        "p",
+        "div",
+        "br",
+        "li",
+        "ul",
+        "ol",
+        "dl",
+        "dt",
+        "dd",
+        "tr",
+        "table",
+        "section",
+        "article",
+        "h1",
+        "h2",
+        "h3",
+        "h4",
+        "h5",
+        "h6",
+        "pre",
+        "blockquote",
+        "title",
+        "td",
+        "th",
+        "hr",
+        "figure",
+        "caption",
+        "item",
+        "list",
+        "steps",
+        "note",
+        "terms",
+        "tree",
+        "page",
+        "links",
+        "synopsis",
+        "example",
+        "body",
     }
 
     def __init__(self, skip: set[str]):
@@ -134,7 +169,10 @@ def man_text(path: Path) -> str | None:
     env = dict(os.environ, GROFF_NO_SGR="1", LC_ALL="C.UTF-8")
     res = subprocess.run(
         ["groff", "-k", "-t", "-man", "-Tutf8", "-rLL=2000n", "-rHY=0", "-P", "-c"],
-        input=src, capture_output=True, env=env, timeout=120,
+        input=src,
+        capture_output=True,
+        env=env,
+        timeout=120,
     )
     if res.returncode != 0:
         return ""
@@ -249,7 +287,9 @@ def extract_file(kind: str, path: Path, text_column: str = "text") -> tuple[list
 IGNORED_NAMES = {".complete"}
 
 
-def list_files(root: Path, include: list[str], exclude: list[str], extractor: str) -> list[tuple[str, Path, str]]:
+def list_files(
+    root: Path, include: list[str], exclude: list[str], extractor: str
+) -> list[tuple[str, Path, str]]:
     """(relative path, path, extractor) of the files to read, sorted so that every run sees the same order."""
     if root.is_file():
         kind = extractor if extractor != "auto" else detect(root.name)

@@ -94,7 +94,9 @@ class _Loader:
         if split not in self._data:
             data = self._open(split)
             if data.size < self.seq_len + 1:
-                raise DataError(f"{self.root}: the {split} split has {data.size} tokens, fewer than seq_len + 1 = {self.seq_len + 1}")
+                raise DataError(
+                    f"{self.root}: the {split} split has {data.size} tokens, fewer than seq_len + 1 = {self.seq_len + 1}"
+                )
             self._data[split] = data
         return self._data[split]
 
@@ -114,7 +116,9 @@ class _Loader:
 
     def get_batch(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= micro_step < self.accum:
-            raise DataError(f"micro_step {micro_step} is outside 0..{self.accum - 1} (grad accumulation steps)")
+            raise DataError(
+                f"micro_step {micro_step} is outside 0..{self.accum - 1} (grad accumulation steps)"
+            )
         first = (self.rank * self.accum + micro_step) * self.micro_batch_size
         starts = self.offsets(step)[first : first + self.micro_batch_size]
         return self._rows(self.tokens(), starts)
@@ -125,8 +129,10 @@ class _Loader:
         windows = (data.size - 1) // self.seq_len
         n = min(n, windows // self.micro_batch_size)
         if n <= 0:
-            raise DataError(f"{self.root}: the val split ({data.size} tokens) holds less than one batch of "
-                            f"{self.micro_batch_size} x {self.seq_len}")
+            raise DataError(
+                f"{self.root}: the val split ({data.size} tokens) holds less than one batch of "
+                f"{self.micro_batch_size} x {self.seq_len}"
+            )
         out = []
         for b in range(n):
             starts = (np.arange(self.micro_batch_size) + b * self.micro_batch_size) * self.seq_len
@@ -233,11 +239,15 @@ class ShardLoader(_Loader):
             expected = shard["tokens"] * self.dtype.itemsize
             actual = p.stat().st_size
             if actual != expected:
-                raise DataError(f"{p}: shard size is {actual} bytes, expected {expected} ({shard['tokens']} tokens); truncated or altered")
+                raise DataError(
+                    f"{p}: shard size is {actual} bytes, expected {expected} ({shard['tokens']} tokens); truncated or altered"
+                )
             if self.verify:
                 digest = sha256_file(p)
                 if digest != shard["sha256"]:
-                    raise DataError(f"{p}: shard checksum mismatch: expected sha256 {shard['sha256']}, got {digest}")
+                    raise DataError(
+                        f"{p}: shard checksum mismatch: expected sha256 {shard['sha256']}, got {digest}"
+                    )
             parts.append(np.memmap(p, dtype=self.dtype, mode="r"))
         return _Tokens(parts)
 
@@ -247,5 +257,13 @@ def make_loader(cfg: Any, split: str, rank: int = 0, world_size: int | None = No
     t = cfg.train
     cls = ByteLoader if t.loader == "bytes" else ShardLoader
     root = paths.CORPUS if t.loader == "bytes" else paths.SHARDS
-    return cls(root, split, cfg.model.seq_len, t.micro_batch_size, t.global_batch_size, t.seed, rank,
-               world_size if world_size is not None else t.world_size)
+    return cls(
+        root,
+        split,
+        cfg.model.seq_len,
+        t.micro_batch_size,
+        t.global_batch_size,
+        t.seed,
+        rank,
+        world_size if world_size is not None else t.world_size,
+    )

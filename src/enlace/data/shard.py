@@ -163,7 +163,9 @@ def build_shards(
 
     actual_vocab = spm.SentencePieceProcessor(model_file=str(model_file)).vocab_size()
     if actual_vocab != vocab_size:
-        raise DataError(f"{model_file}: vocab size {actual_vocab} differs from data.tokenizer.vocab_size {vocab_size}")
+        raise DataError(
+            f"{model_file}: vocab size {actual_vocab} differs from data.tokenizer.vocab_size {vocab_size}"
+        )
     if actual_vocab > np.iinfo(np.dtype(dtype)).max + 1:
         raise DataError(f"{model_file}: vocab size {actual_vocab} does not fit {dtype} shards")
     workers = workers or os.cpu_count() or 1
@@ -182,14 +184,21 @@ def build_shards(
             writers.append(writer)
             bar = progress(desc=f"shard {split}", unit="tok", unit_scale=True)
             total = 0
-            for blob in encode_stream(_split_docs(corpus / f"{split}.jsonl", counts), model_file, dtype, workers):
+            for blob in encode_stream(
+                _split_docs(corpus / f"{split}.jsonl", counts), model_file, dtype, workers
+            ):
                 arr = np.frombuffer(blob, dtype=dtype)
                 writer.write(arr)
                 total += arr.size
                 bar.update(arr.size)
             bar.close()
             shards = writer.finish()
-            splits[split] = {"docs": counts["docs"], "bytes": counts["bytes"], "tokens": total, "shards": shards}
+            splits[split] = {
+                "docs": counts["docs"],
+                "bytes": counts["bytes"],
+                "tokens": total,
+                "shards": shards,
+            }
     except BaseException:
         for w in writers:
             w.abort()
@@ -203,13 +212,17 @@ def build_shards(
         "config_hash": config_hash,
         "splits": splits,
         # bits per byte = loss per token (nats) / ln 2 / bytes_per_token
-        "bytes_per_token": {s: (v["bytes"] / v["tokens"] if v["tokens"] else None) for s, v in splits.items()},
+        "bytes_per_token": {
+            s: (v["bytes"] / v["tokens"] if v["tokens"] else None) for s, v in splits.items()
+        },
     }
     atomic_write_text(manifest_path, canonical_json(manifest))
     fsync_dir(out)
     ntok = sum(v["tokens"] for v in splits.values())
-    log(f"shard: {ntok} tokens ({splits['train']['tokens']} train, {splits['val']['tokens']} val) "
-        f"in {elapsed:.1f} s ({ntok / max(elapsed, 1e-9) / 1e6:.2f} M tok/s, {workers} workers) -> {out}")
+    log(
+        f"shard: {ntok} tokens ({splits['train']['tokens']} train, {splits['val']['tokens']} val) "
+        f"in {elapsed:.1f} s ({ntok / max(elapsed, 1e-9) / 1e6:.2f} M tok/s, {workers} workers) -> {out}"
+    )
     return manifest
 
 
@@ -217,6 +230,12 @@ def run_shard(cfg: Any) -> dict[str, Any]:
     """`enlace shard`: encode data/corpus with data/tokenizer into data/shards."""
     d = cfg.data
     return build_shards(
-        paths.CORPUS, paths.TOKENIZER, paths.SHARDS, d.shard_dtype, d.tokenizer.vocab_size,
-        d.shard.tokens_per_shard, d.shard.num_workers, cfg.section_hash("data"),
+        paths.CORPUS,
+        paths.TOKENIZER,
+        paths.SHARDS,
+        d.shard_dtype,
+        d.tokenizer.vocab_size,
+        d.shard.tokens_per_shard,
+        d.shard.num_workers,
+        cfg.section_hash("data"),
     )

@@ -47,7 +47,9 @@ class Lock:
             return
         if expected != actual:
             origin = "the config" if pinned else str(self.path)
-            raise DataError(f"{where}: checksum mismatch: expected sha256 {expected} (from {origin}), got {actual}")
+            raise DataError(
+                f"{where}: checksum mismatch: expected sha256 {expected} (from {origin}), got {actual}"
+            )
 
     def save(self) -> None:
         if self.dirty and self.path is not None:
@@ -67,8 +69,9 @@ def _apt_download(package: str, version: str, workdir: Path) -> Path:
     if shutil.which("apt-get") is None:
         raise DataError(f"deb source {package}: apt-get is not available on this machine")
     res = run()
-    if res.returncode != 0 and ("Unable to locate" in res.stderr or "Can't find a source" in res.stderr
-                                or "not found" in res.stderr):
+    if res.returncode != 0 and (
+        "Unable to locate" in res.stderr or "Can't find a source" in res.stderr or "not found" in res.stderr
+    ):
         log(f"fetch: {package}={version} not in the package lists; running apt-get update")
         subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True)
         res = run()
@@ -77,7 +80,9 @@ def _apt_download(package: str, version: str, workdir: Path) -> Path:
         raise DataError(f"deb source {package}={version}: apt-get download failed: {msg}")
     debs = sorted(workdir.glob("*.deb"))
     if len(debs) != 1:
-        raise DataError(f"deb source {package}={version}: expected one .deb from apt-get download, got {len(debs)}")
+        raise DataError(
+            f"deb source {package}={version}: expected one .deb from apt-get download, got {len(debs)}"
+        )
     return debs[0]
 
 

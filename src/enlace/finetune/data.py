@@ -72,9 +72,7 @@ def read_conversations(
         elif fmt == "chat":
             msgs = row.get("messages")
             if not isinstance(msgs, list) or not all(
-                isinstance(m, dict)
-                and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in msgs
             ):
                 raise DataError(f'{path}:{lineno}: expected {{"messages": [{{"role", "content"}}, ...]}}')

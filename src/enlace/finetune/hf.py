@@ -143,7 +143,9 @@ def save_hf_folder(
     if model.cfg.tie_embeddings:
         state.pop("lm_head.weight")  # safetensors refuses shared storage; transformers re-ties it
     write_safetensors(folder / WEIGHTS, state, metadata={"format": "pt"})
-    atomic_write_json(folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id))
+    atomic_write_json(
+        folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id)
+    )
     gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     atomic_write_json(folder / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     if tokenizer_dir is not None:

@@ -13,7 +13,9 @@ import torch
 from ..model import IGNORE_INDEX, Llama, fused_lm_loss
 
 
-def assistant_loss_sum(model: Llama, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def assistant_loss_sum(
+    model: Llama, input_ids: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over labelled next tokens, and their count (labels aligned with input_ids)."""
     targets = labels[:, 1:]
     keep = targets != IGNORE_INDEX
