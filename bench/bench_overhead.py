@@ -52,7 +52,16 @@ def main() -> int:
     model = forward + cumulative(stats, "_tensor.py:backward", "adamw.py:step")
     clip = cumulative(stats, "clip_grad.py:clip_grad_norm_")
     checkpoint = cumulative(stats, "checkpoint.py:save_checkpoint")
-    setup = cumulative(stats, "trainer.py:build_model", "loaders.py:make_loader", "loaders.py:val_batches")
+    # One-time start-up: runtime switches (deterministic mode imports part of torch's compiler stack),
+    # model and optimizer construction, loaders.
+    setup = cumulative(
+        stats,
+        "hardware.py:setup_runtime",
+        "trainer.py:build_model",
+        "optim.py:build_optimizer",
+        "loaders.py:make_loader",
+        "loaders.py:val_batches",
+    )
     step_work = model + clip
     rest = total - step_work - loader - final_eval - checkpoint - setup
     result = {
