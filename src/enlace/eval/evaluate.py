@@ -112,6 +112,7 @@ def run_eval(
         "checkpoint": ckpt.name,
         "step": meta["step"],
         "parameters": model.num_parameters(),
+        "config_hash": cfg.hash,  # eval's own config; the checkpoint's meta.json holds the run's
     }
     metrics.update(validation_metrics(model, cfg, cfg.eval.batches, device))
     samples, gen_tps = sample_prompts(model, cfg, device)
