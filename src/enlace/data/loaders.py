@@ -18,7 +18,7 @@ import torch
 
 from .. import paths
 from ..errors import DataError
-from ..io import atomic_write_bytes, sha256_file
+from ..io import iter_jsonl, sha256_file
 
 
 class _Tokens:
@@ -159,7 +159,7 @@ class _Loader:
 
 
 class ByteLoader(_Loader):
-    """UTF-8 bytes of a corpus split's documents joined with blank lines; vocab 256. Cached to a .bin."""
+    """UTF-8 bytes of a corpus split's documents joined with blank lines; vocab 256."""
 
     kind = "bytes"
 
@@ -189,17 +189,17 @@ class ByteLoader(_Loader):
         src = self.root / f"{split}.jsonl"
         if not src.exists():
             raise DataError(f"{src}: not found; run `enlace fetch` first")
-        cache = self.root / f"{split}.{self.fingerprint[:12]}.bytes.bin"
-        if not cache.exists():
-            texts = []
-            with open(src, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    try:
-                        texts.append(json.loads(line)["text"])
-                    except (json.JSONDecodeError, KeyError, TypeError) as e:
-                        raise DataError(f"{src}:{lineno}: not a corpus line ({e})") from None
-            atomic_write_bytes(cache, "\n\n".join(texts).encode("utf-8"))
-        return _Tokens([np.memmap(cache, dtype=np.uint8, mode="r")] if cache.stat().st_size else [])
+        # Held in memory (the default corpus is 18 MB): a cache file next to the corpus would modify the
+        # fetch stage's DVC output and make every `dvc repro` re-run the pipeline from the start.
+        texts = []
+        for lineno, row in iter_jsonl(src):
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise DataError(
+                    f"{src}:{lineno}: not a corpus line (expected an object with a 'text' string)"
+                )
+            texts.append(row["text"])
+        data = np.frombuffer("\n\n".join(texts).encode("utf-8"), dtype=np.uint8)
+        return _Tokens([data] if data.size else [])
 
 
 class ShardLoader(_Loader):
