@@ -11,7 +11,14 @@ import subprocess
 import sys
 import time
 
-BENCHMARKS = ["bench_shard", "bench_checkpoint", "bench_overhead", "bench_generate", "bench_lora", "bench_pretrain"]
+BENCHMARKS = [
+    "bench_shard",
+    "bench_checkpoint",
+    "bench_overhead",
+    "bench_generate",
+    "bench_lora",
+    "bench_pretrain",
+]
 
 
 def main() -> int:
