@@ -104,7 +104,12 @@ def _report(args: argparse.Namespace) -> int:
             data = json.loads(path.read_text(encoding="utf-8"))
             flat = {k: v for k, v in data.items() if not isinstance(v, (dict, list))}
             print(f"== {name} ({path})")
-            print("   " + "  ".join(f"{k}={v}" for k, v in sorted(flat.items())))
+            print(
+                "   "
+                + "  ".join(
+                    f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(flat.items())
+                )
+            )
     samples = paths.RUNS / "eval" / "samples.md"
     if samples.exists():
         print(f"== samples ({samples})")
