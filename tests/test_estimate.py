@@ -212,37 +212,12 @@ def test_preflight_rejects_tiny50m_on_2060_with_advice() -> None:
 def test_estimate_command_prints_table_and_verdict(capsys) -> None:
     from enlace.cli import main
 
-    rc = main(
-        [
-            "estimate",
-            "--params",
-            str(ROOT / "params.yaml"),
-            "--hardware",
-            "rtx2060",
-            "--model",
-            "tiny-50m",
-            "--train",
-            "tiny-50m-2060",
-            "--micro-batch",
-            "1",
-        ]
-    )
-    out = capsys.readouterr().out
+    def estimate(micro_batch: int) -> tuple[int, str]:
+        args = ["--params", str(ROOT / "params.yaml"), "--hardware", "rtx2060", "--model", "tiny-50m"]
+        rc = main(["estimate", *args, "--train", "tiny-50m-2060", "--micro-batch", str(micro_batch)])
+        return rc, capsys.readouterr().out
+
+    rc, out = estimate(1)
     assert rc == 0 and "logits + loss" in out and "verdict: fits" in out
-    rc = main(
-        [
-            "estimate",
-            "--params",
-            str(ROOT / "params.yaml"),
-            "--hardware",
-            "rtx2060",
-            "--model",
-            "tiny-50m",
-            "--train",
-            "tiny-50m-2060",
-            "--micro-batch",
-            "16",
-        ]
-    )
-    out = capsys.readouterr().out
+    rc, out = estimate(16)
     assert rc == 1 and "does NOT fit" in out and "grad_accum_steps=" in out
