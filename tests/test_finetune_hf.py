@@ -10,9 +10,9 @@ from safetensors.torch import load_file, save_file
 from test_finetune_common import CHATML, SENTENCES, make_folder
 
 from enlace.errors import EnlaceError
-from enlace.finetune.gguf_import import unpermute_qk
-from enlace.finetune.hf import load_hf_folder, save_hf_folder
-from enlace.finetune.tokenizer import HFTokenizer
+from enlace.hf.folder import load_hf_folder, save_hf_folder
+from enlace.hf.state_dict_adapter import unpermute_qk
+from enlace.hf.tokenizer import HFTokenizer
 from enlace.model import Llama
 
 

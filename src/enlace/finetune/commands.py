@@ -66,7 +66,7 @@ def load_finetune_cfg(args: argparse.Namespace):
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
-    from .gguf_import import import_gguf, import_smollm2, is_complete
+    from ..hf.gguf_import import import_gguf, import_smollm2, is_complete
 
     if args.gguf:
         out = import_gguf(Path(args.gguf), Path(args.out))
@@ -104,7 +104,8 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .chat import chat_repl, load_for_generation
+    from ..hf.load import load_for_generation
+    from .chat import chat_repl
 
     model, tok = load_for_generation(args.model, args.adapter)
     chat_repl(

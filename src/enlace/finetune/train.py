@@ -14,13 +14,13 @@ from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import CheckpointError
 from ..hardware import autocast, setup_runtime
+from ..hf.folder import load_hf_folder
+from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_text
 from ..train.checkpoint import latest_checkpoint, load_optimizer_tensors, optimizer_tensors, save_checkpoint
 from .data import batch_indices, collate, load_dataset
-from .hf import load_hf_folder
 from .lora import inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
-from .tokenizer import HFTokenizer
 
 # Settings a checkpoint must share with the run that resumes it (anything else would not be "exact").
 RESUME_KEYS = (

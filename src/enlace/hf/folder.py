@@ -1,7 +1,6 @@
 """Hugging Face folders <-> our Llama: config.json plus model.safetensors (or a sharded index).
 
-Module names already match LlamaForCausalLM, so a state dict maps one to one; this file checks that every
-tensor is present with the right shape, refuses unexpected ones, and handles tied embeddings.
+Names and the tied head are state_dict_adapter's business; this file reads and writes the files.
 """
 
 from __future__ import annotations
@@ -14,10 +13,11 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EnlaceError
+from ..finetune.atomic import write_safetensors
 from ..io import atomic_write_json
 from ..model import Llama
-from .atomic import write_safetensors
-from .hf_config import from_hf_config, to_hf_config
+from .config import from_hf_config, to_hf_config
+from .state_dict_adapter import WeightsError, from_hf, to_hf
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -27,12 +27,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-# Buffers older transformers versions saved; they are recomputed, not loaded.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class WeightsError(EnlaceError):
-    """A checkpoint's tensors do not match the model its config describes."""
 
 
 def read_config(folder: Path) -> dict:
@@ -69,47 +63,14 @@ def read_state(folder: Path, dtype: torch.dtype | None = torch.float32) -> dict[
     return state
 
 
-def check_state(model: Llama, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Return the tensors to load; raise listing every missing, unexpected or misshapen tensor."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = model.cfg.tie_embeddings
-    if tied:
-        expected.pop("lm_head.weight")
-    state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
-    if tied and "lm_head.weight" in state:
-        # Some exporters store the tied head anyway; it must be the embedding, or the model is not tied.
-        head = state.pop("lm_head.weight")
-        emb = state.get("model.embed_tokens.weight")
-        if emb is not None and not torch.equal(head, emb):
-            raise WeightsError(
-                f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
-            )
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = sorted(
-        f"{k}: {tuple(state[k].shape)} != {tuple(s)}"
-        for k, s in expected.items()
-        if k in state and tuple(state[k].shape) != tuple(s)
-    )
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected}")
-        if shapes:
-            parts.append(f"wrong shape {shapes}")
-        raise WeightsError(f"{source}: weights do not match config.json: " + "; ".join(parts))
-    return state
-
-
 def build_model(
     cfg, state: dict[str, torch.Tensor], source: str, device: str | torch.device = "cpu"
 ) -> Llama:
     """Instantiate on the meta device (no random init of 100M+ weights) and adopt the loaded tensors."""
     with torch.device("meta"):
         model = Llama(cfg)
-    state = check_state(model, state, source)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = from_hf(cfg, expected, state, source)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -139,9 +100,7 @@ def save_hf_folder(
 ) -> Path:
     """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given."""
     folder = Path(folder)
-    state = {k: v for k, v in model.state_dict().items()}
-    if model.cfg.tie_embeddings:
-        state.pop("lm_head.weight")  # safetensors refuses shared storage; transformers re-ties it
+    state = to_hf(model.cfg, model.state_dict())  # safetensors refuses the shared tied head
     write_safetensors(folder / WEIGHTS, state, metadata={"format": "pt"})
     atomic_write_json(
         folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id)
