@@ -20,7 +20,7 @@ EXTRA = ["¿Qué hora es?", "¡Qué bien!", "Son las 10:45 del 3 de mayo de 2024
 VOCAB = 600
 TINY = [
     "--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "model.n_head=4",
-    "--set", "model.n_kv_head=2", "--set", "model.seq_len=32", "--set", f"model.vocab_size={VOCAB}",
+    "--set", "model.n_kv_head=2", "--set", "model.seq_len=64", "--set", f"model.vocab_size={VOCAB}",
     "--set", "model.ffn_multiple_of=16", "--set", "hardware.num_threads=1",
     "--set", "train.max_steps=6", "--set", "train.checkpoint.every=6",
     "--set", "train.schedule.warmup_steps=2", "--set", "train.schedule.decay_steps=2",
@@ -70,3 +70,23 @@ def make_project(folder: Path, qk_norm: bool = True, tied: bool = True, seed: in
     ]
     assert main(["pretrain", "--no-progress", "--run-dir", "runs/pretrain", *TINY, *model, *data]) == 0
     return folder
+
+
+def chat_rows(n: int) -> list[dict]:
+    """Dolly-format instruction rows (the finetune stage's default format)."""
+    answers = ["Vamos al parque y luego cenamos.", "Leemos un cuento.", "Hacemos una tortilla."]
+    return [
+        {
+            "instruction": f"¿Qué hacemos el día {i}?",
+            "context": "",
+            "response": answers[i % 3],
+            "category": "f",
+        }
+        for i in range(n)
+    ]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path

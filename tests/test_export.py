@@ -1,0 +1,266 @@
+"""`enlace export`: a trained run as a Hugging Face folder and GGUF, checked against transformers, PEFT,
+our own GGUF importer and (when it builds) llama.cpp. One tiny run is trained once for the module."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+from export_helpers import TINY, chat_rows, make_project, write_jsonl
+
+from enlace.cli import main
+from enlace.config.model import ModelConfig
+from enlace.eval.evaluate import load_trained_model
+from enlace.generate import generate
+from enlace.hf import sp_convert
+from enlace.hf.export import sentencepiece_bundle, write_folder
+from enlace.hf.folder import load_hf_folder, read_state
+from enlace.hf.gguf_export import export_folder_gguf
+from enlace.hf.gguf_import import import_gguf
+from enlace.model import Llama
+
+PROMPT = "¿Qué hora es? El niño de la casa"
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proj")
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        make_project(root)
+        assert main(["export", "--gguf", "--gguf-type", "f32"]) == 0
+        yield root
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture
+def in_project(project, monkeypatch):
+    monkeypatch.chdir(project)
+    return project
+
+
+def hf_load(folder, caplog, **kw):
+    """transformers' model and the loading report; fails on any warning it logs."""
+    from transformers import AutoModelForCausalLM
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="transformers"):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, output_loading_info=True, **kw
+        )
+    assert not any(r.levelno >= logging.WARNING for r in caplog.records), [r.message for r in caplog.records]
+    return model.eval(), info
+
+
+def ours_ids(project):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(project / "runs/export/hf")
+    return tok(PROMPT)["input_ids"]
+
+
+def test_export_loads_in_transformers_without_warnings_and_matches(in_project, caplog):
+    folder = in_project / "runs/export/hf"
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= names
+    assert "tokenizer_config.json" in names
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and cfg["tie_word_embeddings"] is True
+    hf, info = hf_load(folder, caplog)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"))
+    assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()  # still tied
+    ours, _, _ = load_trained_model(in_project / "runs/pretrain")
+    ids = ours_ids(in_project)
+    with torch.no_grad():
+        diff = (hf(torch.tensor([ids])).logits - ours(torch.tensor([ids])).logits).abs().max().item()
+    assert diff < 1e-4
+    # Greedy decoding: identical tokens.
+    mine = list(generate(ours, ids, 12))
+    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert theirs[0, len(ids) :].tolist()[: len(mine)] == mine
+
+
+def test_tokenizer_json_ids_equal_sentencepiece_on_val_and_edge_cases(in_project):
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    sp = spm.SentencePieceProcessor(model_file=str(in_project / "data/tokenizer/tokenizer.model"))
+    tok = AutoTokenizer.from_pretrained(in_project / "runs/export/hf")
+    val = [json.loads(x)["text"] for x in (in_project / "data/corpus/val.jsonl").read_text().splitlines()]
+    for text in [*sp_convert.EDGE_CASES, *val]:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert ids == sp.encode(text), text
+        assert tok.decode(ids) == text
+        assert tok(text)["input_ids"] == [sp.eos_id(), *ids]  # the document separator first, as in training
+    for piece in ("<|im_start|>", "<|im_end|>"):
+        assert tok.convert_tokens_to_ids(piece) == sp.piece_to_id(piece)
+    assert (tok.bos_token_id, tok.eos_token_id) == (sp.eos_id(), sp.eos_id())
+    assert (tok.pad_token_id, tok.unk_token_id) == (sp.pad_id(), sp.unk_id())
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hola"}], tokenize=False, add_generation_prompt=True
+    )
+    assert text == "</s><|im_start|>user\nhola<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_unigram_converts_and_unsupported_settings_are_refused(tmp_path):
+    import random
+
+    import sentencepiece as spm
+    from export_helpers import spanish_doc
+
+    rng = random.Random(1)
+    lines = [line for _ in range(60) for line in spanish_doc(rng).split("\n") if line]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "u"), model_type="unigram",
+        vocab_size=340, byte_fallback=True, normalization_rule_name="identity", remove_extra_whitespaces=False,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"], split_digits=True, minloglevel=2,
+    )  # fmt: skip
+    model = tmp_path / "u.model"
+    assert sp_convert.convert(model, lines[:50], tmp_path / "tokenizer.json")["type"] == "unigram"
+    m = sp_convert.read_model(model)
+    m.normalizer["name"] = "nmt_nfkc"
+    m.normalizer["remove_extra_whitespaces"] = 1
+    with pytest.raises(sp_convert.TokenizerConversionError, match="normalization 'nmt_nfkc'.*remove_extra"):
+        sp_convert.build_from(m, "x.model")
+
+
+def test_llama_variant_untied_loads_in_transformers(in_project, tmp_path, caplog):
+    cfg = ModelConfig(
+        name="t", vocab_size=600, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=64, ffn_multiple_of=16,
+        tie_embeddings=False, qk_norm=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Llama(cfg).eval()
+    bundle = sentencepiece_bundle(in_project / "data/tokenizer", cfg.seq_len, [])
+    bundle.extra_files.append(in_project / "data/tokenizer/tokenizer.model")
+    write_folder(model, bundle, tmp_path / "llama")
+    assert json.loads((tmp_path / "llama/config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    hf, info = hf_load(tmp_path / "llama", caplog)
+    ids = torch.tensor([ours_ids(in_project)])
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max() < 1e-4
+    assert not torch.equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    # GGUF of the llama architecture: q/k rows permuted the llama.cpp way; transformers undoes it.
+    export_folder_gguf(tmp_path / "llama", tmp_path / "llama.gguf", "f32")
+    g, _ = hf_load(tmp_path, caplog, gguf_file="llama.gguf")
+    with torch.no_grad():
+        assert (g(ids).logits - model(ids).logits).abs().max() < 1e-4
+    back = read_state(import_gguf(tmp_path / "llama.gguf", tmp_path / "back"))
+    assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def test_byte_level_smoke_model_exports(in_project, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    args = ["--model", "smoke", "--train", "smoke", *TINY, "--set", "model.vocab_size=256"]
+    args += ["--set", "train.grad_accum_steps=1"]
+    assert main(["pretrain", "--no-progress", "--run-dir", str(tmp_path / "b"), *args]) == 0
+    assert main(["export", "--run-dir", str(tmp_path / "b"), "--out", str(tmp_path / "bh"), "--gguf"]) == 0
+    tok = AutoTokenizer.from_pretrained(tmp_path / "bh")
+    text = "¿Año? 🙂"
+    assert tok(text)["input_ids"] == list(text.encode()) and tok.decode(list(text.encode())) == text
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bh", dtype=torch.float32).eval()
+    ours, _, _ = load_trained_model(tmp_path / "b")
+    ids = torch.tensor([list(text.encode())])
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids).logits).abs().max() < 1e-4
+    assert import_gguf(tmp_path / "bh-f16.gguf", tmp_path / "bg").is_dir()
+
+
+@pytest.mark.parametrize("ftype", ["f32", "f16"])
+def test_gguf_round_trip_and_transformers(in_project, tmp_path, ftype, caplog):
+    folder = in_project / "runs/export/hf"
+    path = export_folder_gguf(folder, tmp_path / f"m-{ftype}.gguf", ftype)
+    ref = load_hf_folder(folder)
+    if ftype == "f16":  # what the file holds: matrices rounded to f16, norms kept f32
+        with torch.no_grad():
+            for p in ref.parameters():
+                if p.dim() > 1:
+                    p.copy_(p.half().float())
+    back = import_gguf(path, tmp_path / "back")
+    state = read_state(back)
+    assert all(torch.equal(state[k], v) for k, v in ref.state_dict().items() if k != "lm_head.weight")
+    ids = ours_ids(in_project)
+    from tokenizers import Tokenizer
+
+    assert Tokenizer.from_file(str(back / "tokenizer.json")).encode(PROMPT).ids == ids
+    # transformers' GGUF reader does not map qwen3.attention.key_length (llama.cpp reads it) and falls back
+    # to Qwen3's default head_dim of 128, so it is passed explicitly.
+    g, _ = hf_load(tmp_path, caplog, gguf_file=path.name, head_dim=ref.cfg.head_dim)
+    with torch.no_grad():
+        assert (g(torch.tensor([ids])).logits - ref(torch.tensor([ids])).logits).abs().max() < 1e-4
+
+
+def test_llama_cpp_greedy_tokens_equal(in_project):
+    llama_cpp = pytest.importorskip(
+        "llama_cpp", reason="llama-cpp-python is not installed (it builds from source)"
+    )
+    ours, _, _ = load_trained_model(in_project / "runs/pretrain")
+    ids = ours_ids(in_project)
+    llm = llama_cpp.Llama(str(in_project / "runs/export/hf-f32.gguf"), n_ctx=64, verbose=False, n_threads=1)
+    llm.reset()
+    got = []
+    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+        got.append(t)
+        if len(got) == 10:
+            break
+    assert got == list(generate(ours, ids, 10))
+
+
+def test_finetune_on_export_then_peft_and_merged_export(in_project, tmp_path, caplog):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = in_project / "runs/export/hf"
+    train = write_jsonl(tmp_path / "train.jsonl", chat_rows(8))
+    val = write_jsonl(tmp_path / "val.jsonl", chat_rows(10)[8:])
+    args = ["finetune", "--model", str(folder), "--data", str(train), "--val-data", str(val), "--steps", "3"]
+    args += ["--batch", "2", "--max-len", "64", "--rank", "4", "--out", str(tmp_path / "ft"), "--quiet"]
+    args += ["--set", "finetune.warmup=1", "--set", "finetune.lr=0.05", "--targets", "q_proj,v_proj,up_proj"]
+    assert main(args) == 0
+    adapter = tmp_path / "ft" / "adapter"
+    ids = torch.tensor([ours_ids(in_project)])
+    base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    emb = base.model.embed_tokens.weight.detach().clone()
+    peft = PeftModel.from_pretrained(base, adapter).eval()
+    from enlace.hf.load import load_for_generation
+
+    mine, _ = load_for_generation(folder, adapter)
+    with torch.no_grad():
+        ref = peft(ids).logits
+        assert (mine(ids).logits - ref).abs().max() < 1e-4
+    merged_ref = peft.merge_and_unload().eval()
+    out = tmp_path / "merged"
+    assert (
+        main(["export", "--model", str(folder), "--adapter", str(adapter), "--out", str(out), "--gguf"]) == 0
+    )
+    hf, info = hf_load(out, caplog)
+    with torch.no_grad():
+        assert (hf(ids).logits - merged_ref(ids).logits).abs().max() < 1e-4
+        assert (hf(ids).logits - base_logits(folder, ids)).abs().max() > 1e-4  # the adapter did something
+    assert (
+        torch.equal(hf.model.embed_tokens.weight, emb)
+        and hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    )
+    g = import_gguf(tmp_path / "merged-f16.gguf", tmp_path / "mg")
+    assert load_hf_folder(g).cfg.tie_embeddings
+
+
+def base_logits(folder, ids):
+    with torch.no_grad():
+        return load_hf_folder(folder)(ids).logits
+
+
+def test_export_refusals(in_project, tmp_path, capsys):
+    assert main(["export", "--run-dir", str(tmp_path / "nope")]) == 2
+    assert "no such folder" in capsys.readouterr().err
+    assert main(["export", "--model", str(in_project / "runs/export/hf")]) == 2
+    assert "go together" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    assert main(["export", "--out", str(tmp_path / "f")]) == 2
+    assert main(["export", "--gguf-type", "q4"]) == 2
