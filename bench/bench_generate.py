@@ -11,9 +11,9 @@ import sys
 import torch
 
 from bench.common import alternate, line, summary, write_result
-from enlace.finetune.chat import load_for_generation
-from enlace.finetune.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.generate import generate
+from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
+from enlace.hf.load import load_for_generation
 
 NEW = 64
 PROMPT = "Escribe una receta sencilla de tortilla de patatas para una cena en familia."

@@ -14,11 +14,11 @@ import torch
 
 from bench.common import alternate, line, summary, write_result
 from enlace.finetune.data import build_dataset, dolly_messages, read_conversations
-from enlace.finetune.gguf_import import DEFAULT_OUT, import_smollm2
-from enlace.finetune.hf import load_hf_folder
 from enlace.finetune.lora import inject_lora, lora_parameters
 from enlace.finetune.loss import assistant_loss_sum
-from enlace.finetune.tokenizer import HFTokenizer
+from enlace.hf.folder import load_hf_folder
+from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
+from enlace.hf.tokenizer import HFTokenizer
 
 SEQS = (128, 256)
 DATA = Path("assets/instruct/es_familia_train.jsonl")

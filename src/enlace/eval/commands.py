@@ -57,7 +57,10 @@ def _generate(args: argparse.Namespace) -> int:
         from .evaluate import load_trained_model
 
         if args.adapter:
-            raise EnlaceError("--adapter applies to Hugging Face model folders; export the run first")
+            raise EnlaceError(
+                f"--adapter applies to Hugging Face model folders; export the run first "
+                f"(`enlace export --run-dir {model_dir}`), then pass --model runs/export/hf"
+            )
         model, meta, _ = load_trained_model(model_dir, device)
         codec = codec_for(meta["config"]["train"]["loader"], paths.TOKENIZER)
         ids, eos, prefix = codec.encode(args.prompt), codec.eos_ids, args.prompt
