@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +266,50 @@ def test_export_refusals(in_project, tmp_path, capsys):
     (tmp_path / "f").write_text("x")
     assert main(["export", "--out", str(tmp_path / "f")]) == 2
     assert main(["export", "--gguf-type", "q4"]) == 2
+
+
+def test_benchmark_items_are_well_formed():
+    from enlace.hf.bench_es import SUBTASKS
+
+    root = Path(__file__).resolve().parents[1] / "assets" / "bench_es"
+    pairs = [
+        json.loads(x) for s in SUBTASKS for x in (root / f"pares_{s[10:]}.jsonl").read_text().splitlines()
+    ]
+    conts = [json.loads(x) for x in (root / "continuaciones.jsonl").read_text().splitlines()]
+    assert len(pairs) + len(conts) >= 400 and len({p["good"] for p in pairs}) == len(pairs)
+    for p in pairs:
+        assert p["prefix"] and p["good_rest"] != p["bad_rest"]
+        assert f"{p['prefix']} {p['good_rest']}" == p["good"] and f"{p['prefix']} {p['bad_rest']}" == p["bad"]
+    assert all(len(set(c["choices"])) == 4 and 0 <= c["label"] < 4 for c in conts)
+
+
+def test_bench_es_runs_offline_with_no_network(in_project, tmp_path, monkeypatch):
+    """Any connection to a non-loopback address fails the run; it must not need one."""
+    import socket
+
+    from enlace.hf.bench_es import OFFLINE
+
+    attempts = []
+    real_connect = socket.socket.connect
+
+    def guarded(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if (
+            isinstance(host, str)
+            and host not in ("127.0.0.1", "::1", "localhost")
+            and not host.startswith("/")
+        ):
+            attempts.append(address)
+            raise OSError(f"network disabled in this test: {address}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+    for k in OFFLINE:
+        monkeypatch.delenv(k, raising=False)
+    shutil.copytree(Path(__file__).resolve().parents[1] / "assets", in_project / "assets", dirs_exist_ok=True)
+    out = tmp_path / "bench.json"
+    assert main(["bench-es", str(in_project / "runs/export/hf"), "--out", str(out), "--limit", "3"]) == 0
+    assert attempts == [] and all(os.environ[k] == "1" for k in OFFLINE)
+    r = json.loads(out.read_text())["tasks"]
+    assert r["enlace_es_continuaciones"]["n"] == 3 and 0 <= r["enlace_es_pares"]["acc"] <= 1
+    assert r["enlace_es_pares"]["acc_stderr"] is not None
