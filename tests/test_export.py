@@ -313,3 +313,59 @@ def test_bench_es_runs_offline_with_no_network(in_project, tmp_path, monkeypatch
     r = json.loads(out.read_text())["tasks"]
     assert r["enlace_es_continuaciones"]["n"] == 3 and 0 <= r["enlace_es_pares"]["acc"] <= 1
     assert r["enlace_es_pares"]["acc_stderr"] is not None
+
+
+# ---- hostile inputs around Hugging Face folders, GGUF files and adapters (issue 12) ----------------------
+
+
+def test_cli_refusals_name_the_bad_path(in_project, tmp_path, capsys):
+    folder = in_project / "runs/export/hf"
+    assert main(["generate", "--model", str(folder), "--raw", "", "--max-new-tokens", "4"]) == 0
+    capsys.readouterr()
+    for args, needle in (
+        (["generate", "--model", str(tmp_path / "missing"), "hola"], "no such folder"),
+        (["finetune", "--model", str(tmp_path / "missing"), "--quiet"], "no such folder"),
+        (
+            ["import-gguf", "--gguf", str(folder / "config.json"), "--out", str(tmp_path / "o")],
+            "not a GGUF file",
+        ),
+        (
+            ["import-gguf", "--gguf", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "o")],
+            "no such file",
+        ),
+    ):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((in_project / "runs/export/hf-f32.gguf").read_bytes()[:200])
+    assert main(["import-gguf", "--gguf", str(cut), "--out", str(tmp_path / "o")]) == 2
+    assert "unreadable GGUF" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from enlace.finetune.lora import ADAPTER_CONFIG, AdapterError, inject_lora, load_adapter, save_adapter
+
+    folder = in_project / "runs/export/hf"
+    model = load_hf_folder(folder)
+    inject_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8)
+    save_adapter(model, tmp_path / "ad", str(folder))
+    copy = tmp_path / "a-copy-named-otherwise"
+    shutil.copytree(folder, copy)
+    assert len(load_adapter(load_hf_folder(copy), tmp_path / "ad", str(copy))) == 4
+    state = load_file(str(copy / "model.safetensors"))
+    state["model.norm.weight"] = state["model.norm.weight"] * 2
+    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(AdapterError, match="weights differ"):
+        load_adapter(load_hf_folder(copy), tmp_path / "ad", str(copy))
+    # Shape mismatches: one short line, every tensor in the file it names.
+    cfg = json.loads((tmp_path / "ad" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "ad" / ADAPTER_CONFIG).write_text(json.dumps({**cfg, "r": 8}))
+    with pytest.raises(AdapterError) as e:
+        load_adapter(load_hf_folder(folder), tmp_path / "ad", str(folder))
+    msg = str(e.value)
+    assert "8 wrong shape" in msg and len(msg) < 600 and "\n" not in msg
+    listed = Path(msg.rsplit("full list in ", 1)[1]).read_text().splitlines()
+    assert len(listed) == 8 and all(line.startswith("wrong shape: ") for line in listed)

@@ -33,6 +33,9 @@ def _generate(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.model)
     device = args.device
+    if not model_dir.is_dir():
+        what = "no such folder" if not model_dir.exists() else "not a folder"
+        raise EnlaceError(f"--model {model_dir}: {what} (a run folder or a Hugging Face model folder)")
     if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
         from ..hf.load import load_for_generation
@@ -46,6 +49,8 @@ def _generate(args: argparse.Namespace) -> int:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": args.prompt}], add_generation_prompt=True
             )
+        if not ids and tok.bos_id is not None:
+            ids = [tok.bos_id]  # an empty raw prompt: continue from the start of a text
         eos = tok.eos_ids
 
         def decode(new: list[int]) -> str:
@@ -68,6 +73,10 @@ def _generate(args: argparse.Namespace) -> int:
         def decode(new: list[int]) -> str:
             return continuation(codec, ids, new)
 
+    if not ids:
+        raise EnlaceError(
+            "the prompt is empty and the model has no start token to continue from; give a prompt"
+        )
     sys.stdout.write(prefix)
     sys.stdout.flush()
     new: list[int] = []

@@ -81,9 +81,11 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _finetune(args: argparse.Namespace) -> int:
     from ..config import save_resolved
+    from ..hf.load import check_model_folder
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
+    check_model_folder(Path(cfg.finetune.base_model))
     save_resolved(cfg, Path(cfg.finetune.out) / "config.json")
     result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
     print(json.dumps(result["final"]))
@@ -91,9 +93,11 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _finetune_eval(args: argparse.Namespace) -> int:
+    from ..hf.load import check_model_folder
     from .evaluate import finetune_eval
 
     cfg = load_finetune_cfg(args)
+    check_model_folder(Path(cfg.finetune.base_model))
     r = finetune_eval(cfg.finetune, cfg.hardware, Path(args.adapter) if args.adapter else None)
     for a in r["answers"]:
         print(f"\n> {a['prompt']}\n[base] {a['base']}\n[finetuned] {a['finetuned']}")

@@ -113,3 +113,23 @@ def save_hf_folder(
             if src.exists() and src.resolve() != (folder / name).resolve():
                 shutil.copyfile(src, folder / name)
     return folder
+
+
+def content_fingerprint(folder: Path) -> str | None:
+    """sha256 over config.json and every weight file: the same model wherever (and under whatever name) it
+    is copied. None when the folder is not a model folder."""
+    import hashlib
+
+    from ..io import sha256_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        files = [folder / "config.json", *weight_files(folder)]
+    except WeightsError:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{sha256_file(f)}\n".encode())
+    return h.hexdigest()

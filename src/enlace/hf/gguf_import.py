@@ -257,7 +257,17 @@ def import_gguf(gguf_path: Path, out: Path) -> Path:
     """Convert one GGUF file into a Hugging Face folder at `out` (written atomically as a whole)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_path))
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise EnlaceError(f"--gguf {gguf_path}: {'not a file' if gguf_path.exists() else 'no such file'}")
+    with open(gguf_path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise EnlaceError(f"--gguf {gguf_path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise EnlaceError(f"--gguf {gguf_path}: unreadable GGUF file ({e})") from None
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
     hf = hf_config_from_gguf(meta, tied="output.weight" not in names)
