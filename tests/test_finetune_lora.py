@@ -159,7 +159,8 @@ def test_wrong_rank_target_or_base_is_refused(folder, tmp_path):
     save_file(tensors, str(tmp_path / "a" / ADAPTER_WEIGHTS))
     fresh = load_hf_folder(folder)
     with pytest.raises(
-        EnlaceError, match=r"1 missing \(e\.g\. base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight\)"
+        EnlaceError,
+        match=r"1 missing \(e\.g\. base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight\)",
     ):
         load_adapter(fresh, tmp_path / "a")
     assert not any(isinstance(m, LoraLinear) for m in fresh.modules())  # a failed load leaves no adapters
