@@ -23,7 +23,7 @@ from ..io import atomic_write_json, sha256_file
 from ..model import Llama
 from . import sp_convert
 from .config import to_hf_config
-from .folder import WEIGHTS, load_hf_folder
+from .folder import WEIGHTS, load_hf_folder, save_hf_folder
 
 DEFAULT_OUT = paths.RUNS / "export" / "hf"
 CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
@@ -133,15 +133,7 @@ def write_folder(model: Llama, bundle: TokenizerBundle, out: Path) -> Path:
     """Write the folder aside, reload it and compare logits, then swap it in."""
     cfg = model.cfg
     with atomic_dir(Path(out)) as tmp:
-        from .folder import save_hf_folder
-
-        save_hf_folder(
-            model, tmp, None, bundle.bos_id, bundle.eos_ids[0] if bundle.eos_ids else None, bundle.pad_id
-        )
-        gen: dict[str, Any] = {"bos_token_id": bundle.bos_id, "pad_token_id": bundle.pad_id}
-        if bundle.eos_ids:
-            gen["eos_token_id"] = bundle.eos_ids if len(bundle.eos_ids) > 1 else bundle.eos_ids[0]
-        atomic_write_json(tmp / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
+        save_hf_folder(model, tmp, None, bundle.bos_id, bundle.eos_ids or None, bundle.pad_id)
         bundle.tok.save(str(tmp / "tokenizer.json"))
         atomic_write_json(tmp / "tokenizer_config.json", bundle.config)
         for f in bundle.extra_files:

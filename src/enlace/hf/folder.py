@@ -95,16 +95,20 @@ def save_hf_folder(
     folder: Path,
     tokenizer_dir: Path | None = None,
     bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
 ) -> Path:
-    """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given."""
+    """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given.
+
+    Several eos ids (text end and chat-turn end) all go to generation_config.json; config.json holds the first.
+    """
     folder = Path(folder)
     state = to_hf(model.cfg, model.state_dict())  # safetensors refuses the shared tied head
+    first_eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    if isinstance(eos_token_id, list) and len(eos_token_id) == 1:
+        eos_token_id = first_eos
     write_safetensors(folder / WEIGHTS, state, metadata={"format": "pt"})
-    atomic_write_json(
-        folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id)
-    )
+    atomic_write_json(folder / "config.json", to_hf_config(model.cfg, bos_token_id, first_eos, pad_token_id))
     gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     atomic_write_json(folder / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     if tokenizer_dir is not None:

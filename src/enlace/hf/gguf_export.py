@@ -37,14 +37,12 @@ def spm_vocab(model_file: Path) -> dict[str, Any]:
     if m.model_type != "bpe":
         # llama.cpp's sentencepiece tokenizer merges pieces by score, which is sentencepiece's BPE.
         print(f"note: {model_file} is {m.model_type}; llama.cpp tokenizes text as BPE (pass token ids)")
-    ids = {t: [i for i, (_, _, ty) in enumerate(m.pieces) if ty == t] for t in (sp_convert.UNKNOWN,)}
-    pieces = [p for p, _, _ in m.pieces]
     return {
         "model": "llama",
-        "tokens": pieces,
+        "tokens": [p for p, _, _ in m.pieces],
         "scores": [s for _, s, _ in m.pieces],
         "types": [t for _, _, t in m.pieces],
-        "unk": ids[sp_convert.UNKNOWN][0],
+        "unk": m.ids_of(sp_convert.UNKNOWN)[0],
         "split_digits": bool(m.trainer.get("split_digits", 0)),
         "type": m.model_type,
     }
