@@ -369,3 +369,46 @@ def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
     assert "8 wrong shape" in msg and len(msg) < 600 and "\n" not in msg
     listed = Path(msg.rsplit("full list in ", 1)[1]).read_text().splitlines()
     assert len(listed) == 8 and all(line.startswith("wrong shape: ") for line in listed)
+
+
+def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
+    """A GPT-2-style folder (as SmolLM2's) merged with an adapter: equal to PEFT's merge, and its GGUF
+    (llama architecture, q/k permuted, "gpt2" vocabulary) reads back with the same tensors and tokenizer."""
+    from peft import PeftModel
+    from test_finetune_common import SENTENCES, make_folder
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from enlace.finetune.lora import inject_lora, save_adapter
+
+    base = make_folder(tmp_path / "base")
+    model = load_hf_folder(base)
+    inject_lora(model, ["q_proj", "k_proj", "down_proj"], rank=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    save_adapter(model, tmp_path / "ad", str(base))
+    out = tmp_path / "merged"
+    assert (
+        main(["export", "--model", str(base), "--adapter", str(tmp_path / "ad"), "--out", str(out), "--gguf"])
+        == 0
+    )
+    tok = Tokenizer.from_file(str(base / "tokenizer.json"))
+    ids = torch.tensor([tok.encode(" ".join(SENTENCES)).ids])
+    ref = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), tmp_path / "ad"
+    )
+    ref = ref.merge_and_unload().eval()
+    hf, _ = hf_load(out, caplog)
+    with torch.no_grad():
+        assert (hf(ids).logits - ref(ids).logits).abs().max() < 1e-4
+    back = import_gguf(tmp_path / "merged-f16.gguf", tmp_path / "back")
+    assert (
+        Tokenizer.from_file(str(back / "tokenizer.json")).encode(SENTENCES[1]).ids
+        == tok.encode(SENTENCES[1]).ids
+    )
+    merged = read_state(out)
+    state = read_state(back)
+    assert all(torch.equal(state[k], v.half().float() if v.dim() > 1 else v) for k, v in merged.items())

@@ -87,7 +87,7 @@ def write_gguf(
     model: Llama,
     path: Path,
     vocab: dict[str, Any],
-    special: dict[str, int | None],
+    special: dict[str, Any],
     chat_template: str | None = None,
     ftype: str = "f16",
     name: str = "enlace",
@@ -142,7 +142,7 @@ def write_gguf(
                 fn(int(special[key]))
         if vocab.get("unk") is not None:
             w.add_unk_token_id(int(vocab["unk"]))
-        w.add_add_bos_token(special.get("bos") is not None)
+        w.add_add_bos_token(bool(special.get("add_bos", special.get("bos") is not None)))
         w.add_add_eos_token(False)
         if chat_template:
             w.add_chat_template(chat_template)
@@ -197,6 +197,11 @@ def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llam
         else eos,  # GGUF holds one eos; the chat end is in the template
         "pad": gen.get("pad_token_id", hf.get("pad_token_id")),
     }
+    from tokenizers import Tokenizer
+
+    # llama.cpp adds BOS only if told to: tell it exactly when the folder's tokenizer does.
+    first = Tokenizer.from_file(str(folder / "tokenizer.json")).encode("a").ids[:1]
+    special["add_bos"] = special["bos"] is not None and first == [special["bos"]]
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.exists() else {}
     template = tc.get("chat_template")
