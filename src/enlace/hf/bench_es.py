@@ -2,8 +2,8 @@
 
 Items and task YAMLs live in assets/bench_es (`dataset_path: json`, loaded with lm-eval's include path).
 Nothing may reach a network: the offline switches of datasets, the hub and transformers are set before
-lm-eval is imported, and the data files are local. Contexts get the tokenizer's special tokens
-(`add_bos_token`), which for our exports is the document separator the model was trained after.
+lm-eval is imported, and the data files are local. Contexts start the way the folder's tokenizer starts a
+text: for our exports, with the document separator the model was trained after.
 """
 
 from __future__ import annotations
@@ -64,7 +64,11 @@ def run_bench(
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    args: dict[str, Any] = {"pretrained": str(model_dir), "dtype": "float32", "add_bos_token": True}
+    args: dict[str, Any] = {"pretrained": str(model_dir), "dtype": "float32"}
+    if tok("a")["input_ids"] != tok("a", add_special_tokens=False)["input_ids"]:
+        # The tokenizer marks the start of a text itself (ours: the document separator): keep it, as in
+        # training. Others (SmolLM2) are left alone rather than given a BOS they were not trained with.
+        args["add_bos_token"] = True
     if tok.bos_token_id is None and tok.eos_token_id is None:
         args["prefix_token_id"] = NEWLINE
     with tempfile.TemporaryDirectory() as tmp:
