@@ -150,6 +150,8 @@ def test_unpermute_inverts_llamacpp_qk_permutation():
     assert not torch.equal(pq, q)
     assert torch.equal(unpermute_qk(pq, n_head), q)
     assert torch.equal(unpermute_qk(pk, n_kv), k)
-    assert torch.equal(permute_qk(q, n_head), pq) and torch.equal(permute_qk(k, n_kv), pk)  # the GGUF export's
+    assert torch.equal(permute_qk(q, n_head), pq) and torch.equal(
+        permute_qk(k, n_kv), pk
+    )  # the GGUF export's
     # Head h's rows stay within head h; within it, row 2i holds half 0 row i and row 2i+1 half 1 row i.
     assert torch.equal(pq[1], q[hd // 2]) and torch.equal(pq[hd], q[hd])
