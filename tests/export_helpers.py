@@ -90,3 +90,43 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out += bytes([b | (0x80 if n else 0)])
+        if not n:
+            return out
+
+
+def write_tie_model(path: Path) -> Path:
+    """A hand-built sentencepiece unigram model in which "▁ab" has two segmentations 5e-5 apart.
+
+    ["▁a", "b"] scores -6.0 and ["▁", "ab"] -6.00005: exact sums pick the first, but sentencepiece adds a
+    document's scores in float32, and after some 10^5 of accumulated score the 5e-5 is lost and it picks the
+    second. The protobuf is written by hand (field numbers of sentencepiece_model.proto).
+    """
+    import struct
+
+    def field(num: int, wire: int, payload: bytes) -> bytes:
+        head = _varint(num << 3 | wire)
+        return head + (_varint(len(payload)) + payload if wire == 2 else payload)
+
+    def piece(text: str, score: float, kind: int) -> bytes:
+        body = field(1, 2, text.encode()) + field(2, 5, struct.pack("<f", score)) + field(3, 0, _varint(kind))
+        return field(1, 2, body)
+
+    pieces = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)] + [
+        (f"<0x{i:02X}>", 0.0, 6) for i in range(256)
+    ]
+    pieces += [("▁", -1.0, 1), ("a", -4.0, 1), ("b", -3.0, 1), ("ab", -5.00005, 1), ("▁a", -3.0, 1)]
+    pieces += [("▁c", -3.0, 1), ("c", -4.0, 1)]
+    trainer = field(3, 0, _varint(1)) + field(4, 0, _varint(len(pieces))) + field(35, 0, _varint(1))
+    normalizer = (
+        field(1, 2, b"identity") + field(3, 0, _varint(1)) + field(4, 0, _varint(0)) + field(5, 0, _varint(1))
+    )
+    blob = b"".join(piece(*p) for p in pieces) + field(2, 2, trainer) + field(3, 2, normalizer)
+    path.write_bytes(blob)
+    return path

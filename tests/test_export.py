@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_helpers import TINY, chat_rows, make_project, write_jsonl
+from export_helpers import TINY, chat_rows, make_project, write_jsonl, write_tie_model
 
 from enlace.cli import main
 from enlace.config.model import ModelConfig
@@ -129,6 +129,22 @@ def test_unigram_converts_and_unsupported_settings_are_refused(tmp_path):
     m.normalizer["remove_extra_whitespaces"] = 1
     with pytest.raises(sp_convert.TokenizerConversionError, match="normalization 'nmt_nfkc'.*remove_extra"):
         sp_convert.build_from(m, "x.model")
+
+
+def test_unigram_float32_tie_is_refused_with_the_reason(tmp_path):
+    """sentencepiece's unigram picks other pieces for the same word deep into a long document (float32 path
+    scores): the conversion check finds it and refuses, saying why and what to use instead."""
+    import sentencepiece as spm
+
+    model = write_tie_model(tmp_path / "tie.model")
+    sp = spm.SentencePieceProcessor(model_file=str(model))
+    tok = sp_convert.build(model)
+    long = "c " * 40_000 + "ab"
+    assert sp.encode("ab", out_type=str) == ["▁a", "b"] and sp.encode(long, out_type=str)[-2:] == ["▁", "ab"]
+    sp_convert.verify(model, tok, ["ab", "c ab"])
+    with pytest.raises(sp_convert.TokenizerConversionError, match="float32.*tokenizer.type: bpe"):
+        sp_convert.convert(model, [long], tmp_path / "tokenizer.json")
+    assert not (tmp_path / "tokenizer.json").exists()
 
 
 def test_llama_variant_untied_loads_in_transformers(in_project, tmp_path, caplog):
