@@ -76,7 +76,9 @@ def setup_runtime(hw: HardwareConfig) -> torch.device:
     if hw.deterministic:
         # Required by cuBLAS for deterministic matmuls; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # Errors, not warnings: an op without a deterministic kernel must stop a run that promises
+        # bit-exact reruns, instead of silently breaking the promise.
+        torch.use_deterministic_algorithms(True)
     if hw.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
