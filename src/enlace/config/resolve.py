@@ -82,7 +82,7 @@ _Loader.add_implicit_resolver(
 
 
 def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506  a SafeLoader subclass
+    return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
 
 
 def _yaml_error(e: yaml.YAMLError, text: str) -> str:
@@ -129,11 +129,11 @@ def _read_yaml(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def read_params(params: str | Path = DEFAULT_PARAMS, required: bool = False) -> dict[str, Any]:
-    """params.yaml as a dict. A missing file is an error when named explicitly (or `required`); the
-    default one may be absent when every layer is selected on the command line."""
+def read_params(params: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
+    """params.yaml as a dict. A missing file is an error when named explicitly; the default one may be
+    absent when every layer is selected on the command line."""
     path = Path(params)
-    if not path.exists() and not required and str(params) == DEFAULT_PARAMS:
+    if str(params) == DEFAULT_PARAMS and not path.exists():
         return {}
     return _read_yaml(path, "params")
 
@@ -250,7 +250,7 @@ def load_config(
     for layer in layers:
         if layer not in selected:
             if not params_path.exists():  # the real cause: no params file to select from
-                read_params(params_path, required=True)
+                raise ConfigError(str(params_path), "params", "file not found")
             raise ConfigError(
                 str(params_path),
                 f"config.{layer}",
