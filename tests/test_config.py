@@ -1,13 +1,17 @@
 """Layered configs: every invalid config fails with status 2 and names its file and field."""
 
 import copy
+import types
+import typing
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
+import yaml
+from pydantic import BaseModel, ValidationError
 
 from enlace.cli import main
-from enlace.config import load_config, show
+from enlace.config import EvalConfig, load_config, show
+from enlace.config.resolve import LAYERS
 from enlace.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,31 +198,54 @@ def test_booleans_and_numbers_never_coerce(capsys, override, field, words):
     check_one_line_error(capsys, ["config", "check", "--set", override], f": {field}: ", words)
 
 
-def test_every_shipped_number_and_flag_is_strictly_typed():
-    """Across all config models: each numeric value in a shipped layer file refuses `true`, and each
-    boolean refuses `1`; the files as shipped validate."""
-    import yaml
+def scalar_fields(schema: type[BaseModel], prefix: tuple[str, ...] = ()):
+    """(path, "number" | "bool") for every int/float/bool field of a config model, nested models included."""
+    for name, field in schema.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from scalar_fields(ann, (*prefix, name))
+            continue
+        todo, bases = [ann], set()
+        while todo:  # unwrap Optional/Union and Annotated (StrictInt is Annotated[int, Strict()])
+            t = todo.pop()
+            if typing.get_origin(t) in (typing.Union, types.UnionType, typing.Annotated):
+                todo.extend(
+                    typing.get_args(t)[:1] if typing.get_origin(t) is typing.Annotated else typing.get_args(t)
+                )
+            else:
+                bases.add(t)
+        bases.discard(type(None))
+        if bases == {bool}:
+            yield (*prefix, name), "bool"
+        elif bases and bases <= {int, float}:
+            yield (*prefix, name), "number"
 
-    from enlace.config.resolve import LAYERS, _flatten, _set_dotted
 
+def test_numbers_and_booleans_are_strict_in_every_config_model():
+    """Each int/float field of every layer (and of params.yaml's eval section) refuses `true`, and each bool field refuses `1`, starting from a
+    shipped layer file (which itself validates)."""
     checked = 0
-    for layer, schema in LAYERS.items():
-        for path in sorted((ROOT / "configs" / layer).glob("*.yaml")):
-            raw = yaml.safe_load(path.read_text())
-            schema.model_validate(raw)
-            for key, value in _flatten(raw).items():
-                if isinstance(value, bool):
-                    bad = 1
-                elif isinstance(value, (int, float)):
-                    bad = True
-                else:
-                    continue
-                broken = copy.deepcopy(raw)
-                _set_dotted(broken, key, bad)
-                with pytest.raises(ValidationError, match=r"valid (integer|number|boolean)"):
-                    schema.model_validate(broken)
-                checked += 1
-    assert checked > 100
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for layer, schema in [*LAYERS.items(), ("eval", EvalConfig)]:
+        if layer == "eval":  # params.yaml's own section
+            raw = params["eval"]
+        else:
+            shipped = sorted((ROOT / "configs" / layer).glob("*.yaml"))
+            assert shipped, layer
+            raw = yaml.safe_load(shipped[0].read_text())
+        schema.model_validate(raw)
+        for path, kind in scalar_fields(schema):
+            broken = copy.deepcopy(raw)
+            d = broken
+            for part in path[:-1]:
+                d = d.setdefault(part, {})
+            d[path[-1]] = 1 if kind == "bool" else True
+            with pytest.raises(ValidationError) as e:
+                schema.model_validate(broken)
+            types_at = {err["type"] for err in e.value.errors() if err["loc"][: len(path)] == path}
+            assert types_at & {"int_type", "float_type", "bool_type"}, (layer, path, e.value.errors())
+            checked += 1
+    assert checked > 80
 
 
 def test_scientific_notation_without_a_dot_is_a_float():
