@@ -59,8 +59,8 @@ def make_project(folder: Path, qk_norm: bool = True, tied: bool = True, seed: in
             encoding="utf-8",
         )
     data = ["--set", f"data.tokenizer.vocab_size={VOCAB}", "--set", "data.tokenizer.num_threads=1"]
-    data += ["--set", f"model.vocab_size={VOCAB}"]
     assert main(["tokenize", *data]) == 0
+    data += ["--set", f"model.vocab_size={VOCAB}"]  # shard checks the model's vocabulary too
     assert main(["shard", *data, "--set", "data.shard.num_workers=1"]) == 0
     model = [
         "--set",
