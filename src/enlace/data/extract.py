@@ -340,11 +340,11 @@ def list_files(
         return [(root.name, root, kind)] if kind else []
     out: list[tuple[str, Path, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .cache of huggingface_hub
         for fn in sorted(filenames):
             p = Path(dirpath) / fn
             rel = p.relative_to(root).as_posix()
-            if fn in IGNORED_NAMES or fn.endswith((".part", ".tmp")) or p.is_symlink():
+            if fn in IGNORED_NAMES or fn.endswith((".part", ".tmp", ".incomplete")) or p.is_symlink():
                 continue
             if include and not any(fnmatch.fnmatchcase(rel, pat) for pat in include):
                 continue
