@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import http.server
-import json
 import shutil
 import subprocess
 import threading

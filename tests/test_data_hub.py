@@ -30,7 +30,9 @@ def _jsonl_gz(rows: list[dict[str, str]]) -> bytes:
 
 
 def _rows(n: int, tag: str = "") -> list[dict[str, str]]:
-    return [{"id": str(i), "text": f"{SPANISH} Documento {_word(i)} {tag} de la colección."} for i in range(n)]
+    return [
+        {"id": str(i), "text": f"{SPANISH} Documento {_word(i)} {tag} de la colección."} for i in range(n)
+    ]
 
 
 def _config(hub, files, revision="main", max_files=None, column="text", extractor="jsonl") -> DataConfig:
@@ -77,7 +79,8 @@ def test_main_is_resolved_locked_verified_and_an_upstream_change_refused(hub, tm
     assert entry["commit"] == commit and entry["revision"] == "main"
     # max_files takes the first two paths in sorted order; each with its size and sha256.
     assert entry["files"] == {
-        p: {"size": len(parts[p]), "sha256": _sha(parts[p])} for p in ("data/part-0.jsonl.gz", "data/part-1.jsonl.gz")
+        p: {"size": len(parts[p]), "sha256": _sha(parts[p])}
+        for p in ("data/part-0.jsonl.gz", "data/part-1.jsonl.gz")
     }
     assert m["total"]["docs"] == 30
     # main moves on upstream: the lock keeps the run on its commit, and the files verify.
@@ -119,7 +122,9 @@ def test_parquet_text_column_and_a_wrong_column(hub, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({"id": [str(i) for i in range(12)], "text": [f"{SPANISH} Parte {_word(i)}." for i in range(12)]})
+    table = pa.table(
+        {"id": [str(i) for i in range(12)], "text": [f"{SPANISH} Parte {_word(i)}." for i in range(12)]}
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf)
     hub.publish("org/wiki", {"es/train-0.parquet": buf.getvalue()})

@@ -68,7 +68,9 @@ def _minhash_stages(items: list[WorkItem], work: Path, dedup: bool) -> tuple[lis
     from datatrove.utils.hashing import HashConfig
 
     # sha1: datatrove 0.10.1 hands str to xxhash, which current xxhash refuses.
-    cfg = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1, hash_config=HashConfig(hash_fc="sha1"))
+    cfg = MinhashConfig(
+        n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1, hash_config=HashConfig(hash_fc="sha1")
+    )
     mh = work / "minhash"
     stages = [
         Stage(
@@ -99,7 +101,11 @@ def corpus_stages(
     filters: list[Any] = []
     if data.cleaning.dedup and data.cleaning.near_dedup:
         stages, filters = _minhash_stages(items, work, data.cleaning.dedup)
-    final = [MergeExact(items, work, data.cleaning.dedup), *filters, Finalize(data, work, out, config_hash, items)]
+    final = [
+        MergeExact(items, work, data.cleaning.dedup),
+        *filters,
+        Finalize(data, work, out, config_hash, items),
+    ]
     stages.append(Stage("split", final))
     return extract, stages
 
@@ -163,7 +169,11 @@ def build_corpus(
     shutil.rmtree(errors, ignore_errors=True)
     shutil.rmtree(work / "minhash", ignore_errors=True)
     extract, rest = corpus_stages(data, items, work, Path(out), config_hash)
-    logs = Path(raw).parent / "logs" / "fetch" if executor.kind == "local" else Path(executor.logging_dir) / "fetch"
+    logs = (
+        Path(raw).parent / "logs" / "fetch"
+        if executor.kind == "local"
+        else Path(executor.logging_dir) / "fetch"
+    )
     if executor.kind != "local":
         run_stages(extract + rest, executor, logs)
         log(f"fetch: submitted {len(extract + rest)} stages to {executor.kind}; the corpus appears in {out}")

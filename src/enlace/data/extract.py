@@ -62,7 +62,9 @@ def decode_as(data: bytes, where: object = "input") -> tuple[str, int, str]:
     text = data.decode("utf-8", errors="replace")
     bad = text.count("\ufffd")
     if b"\x00" in data:
-        raise DataError(f"{where}: binary data ({data.count(0)} NUL bytes, {bad} invalid UTF-8 bytes), not text")
+        raise DataError(
+            f"{where}: binary data ({data.count(0)} NUL bytes, {bad} invalid UTF-8 bytes), not text"
+        )
     if bad <= MAX_INVALID_UTF8 * len(data):
         return text, bad, "utf-8"
     from charset_normalizer import from_bytes

@@ -172,9 +172,12 @@ def resolve_hf(src: HfSource, api: Any) -> dict[str, Any]:
     if not commit or not COMMIT.fullmatch(commit):
         raise DataError(f"{where}: the endpoint returned no commit for the revision")
     tree = _hf_call(
-        where, lambda: list(api.list_repo_tree(src.repo, revision=commit, repo_type="dataset", recursive=True))
+        where,
+        lambda: list(api.list_repo_tree(src.repo, revision=commit, repo_type="dataset", recursive=True)),
     )
-    sizes = {f.path: f.size for f in tree if getattr(f, "size", None) is not None and not hasattr(f, "tree_id")}
+    sizes = {
+        f.path: f.size for f in tree if getattr(f, "size", None) is not None and not hasattr(f, "tree_id")
+    }
     chosen = sorted(p for p in sizes if any(fnmatch.fnmatchcase(p, pat) for pat in src.files))
     if src.max_files is not None:
         chosen = chosen[: src.max_files]
@@ -214,7 +217,9 @@ def fetch_hf(src: HfSource, raw: Path, lock: Lock) -> Path:
         if entry is not None:
             log(f"fetch: {src.name}: the config's repo, revision or files changed; pinning again")
         entry = resolve_hf(src, api)
-        log(f"fetch: {src.name}: {src.repo}@{src.revision} is commit {entry['commit']}; locking {len(entry['files'])} files")
+        log(
+            f"fetch: {src.name}: {src.repo}@{src.revision} is commit {entry['commit']}; locking {len(entry['files'])} files"
+        )
     assert entry is not None
     commit = entry["commit"]
     root = raw / "hf" / _safe(src.repo) / commit
@@ -235,7 +240,12 @@ def fetch_hf(src: HfSource, raw: Path, lock: Lock) -> Path:
             )
         size, actual = dest.stat().st_size, sha256_file(dest)
         expected = src.sha256.get(path) or meta.get("sha256")
-        if meta.get("size") is not None and size != meta["size"] or expected is not None and actual != expected:
+        if (
+            meta.get("size") is not None
+            and size != meta["size"]
+            or expected is not None
+            and actual != expected
+        ):
             dest.unlink()
             origin = "the config" if src.sha256.get(path) else str(lock.path)
             raise DataError(

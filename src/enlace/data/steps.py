@@ -210,7 +210,9 @@ class _SplitWriter:
         }
 
 
-def cap_thresholds(data: DataConfig, chars: dict[str, int], caps: dict[str, tuple[array, array]]) -> dict[str, float]:
+def cap_thresholds(
+    data: DataConfig, chars: dict[str, int], caps: dict[str, tuple[array, array]]
+) -> dict[str, float]:
     """For each capped source, keep documents whose cap draw is below the returned threshold.
 
     The limits are a fixed point (a capped source's allowance depends on the others' capped sizes). The
