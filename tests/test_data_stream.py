@@ -111,3 +111,15 @@ def test_caps_do_not_depend_on_the_split(tmp_path):
     assert 0.2 < share <= 0.3
     # The capped source keeps train documents too, not only its val ones (the old bug kept val first).
     assert len(t1) > len(v1) and v2
+
+
+def test_language_id_lingua_rejects_other_romance_languages_the_stopword_rule_keeps():
+    from enlace.config.data import CleaningConfig
+    from enlace.data.clean import line_verdict
+
+    es = "El perro de la casa come mucho pan todos los días con su familia."
+    pt = "O cachorro da casa come muito pão todos os dias com a sua família."
+    en = "The dog of the house eats a lot of bread every day with its family."
+    rule, lingua = CleaningConfig(), CleaningConfig(language_id="lingua")
+    assert [line_verdict(x, rule) for x in (es, pt, en)] == ["keep", "keep", "english"]
+    assert [line_verdict(x, lingua) for x in (es, pt, en)] == ["keep", "english", "english"]

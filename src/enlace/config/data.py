@@ -78,6 +78,10 @@ class CleaningConfig(Strict):
     min_words_per_line: int = Field(default=4, ge=0)
     min_letter_fraction: float = Field(default=0.6, ge=0, le=1)
     language_filter: bool = True
+    # How a line's language is decided: "stopwords" (Spanish vs English function words; fast) or "lingua"
+    # (lingua-language-detector among es/en/pt/fr/it/ca; ~28x slower, and also rejects other Romance
+    # languages). Measured on a labelled sample: bench/bench_langid.py, README "Language ID".
+    language_id: Literal["stopwords", "lingua"] = "stopwords"
     dedup: bool = True  # exact and normalized duplicates (hashes kept, not texts)
     # Near duplicates by MinHash (datatrove's disk-based signature/bucket/cluster/filter stages).
     near_dedup: bool = True
