@@ -42,12 +42,6 @@ def read_bytes(path: Path) -> bytes:
 MAX_INVALID_UTF8 = 0.001
 
 
-def decode(data: bytes, where: object = "input") -> tuple[str, int]:
-    """Text of `data` and how many bytes were not valid UTF-8 (see `decode_as`)."""
-    text, bad, _ = decode_as(data, where)
-    return text, bad
-
-
 def decode_as(data: bytes, where: object = "input") -> tuple[str, int, str]:
     """Text of `data`, how many bytes were not valid UTF-8, and the encoding it was read in.
 
@@ -75,10 +69,6 @@ def decode_as(data: bytes, where: object = "input") -> tuple[str, int, str]:
             f"{where}: not text in any known encoding ({bad} of {len(data)} bytes are invalid UTF-8)"
         )
     return data.decode(best.encoding, errors="replace"), bad, best.encoding
-
-
-def read_text(path: Path) -> tuple[str, int]:
-    return decode(read_bytes(path), path)
 
 
 def detect(rel: str) -> str | None:
@@ -282,13 +272,6 @@ def parquet_texts(path: Path, column: str) -> Iterator[str]:
         for value in batch.column(0).to_pylist():
             if isinstance(value, str):
                 yield value
-
-
-def extract_file(kind: str, path: Path, text_column: str = "text") -> tuple[list[str], int]:
-    """Documents of one file and the count of invalid UTF-8 bytes (kept for callers that want a list)."""
-    counts = {"invalid_utf8": 0}
-    docs = list(iter_file(kind, path, text_column, counts))
-    return docs, counts["invalid_utf8"]
 
 
 def iter_file(kind: str, path: Path, text_column: str, counts: dict[str, Any]) -> Iterator[str]:

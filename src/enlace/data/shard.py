@@ -307,7 +307,7 @@ def build_shards(
         "encode", [EncodeUnits(units, model_file, dtype, staging)], tasks=max(1, min(ntasks, len(units)))
     )
     logs = out.parent / "logs" / "shard" if executor.kind == "local" else Path(executor.logging_dir) / "shard"
-    if not run_stages([stage], executor, logs):
+    if done < len(units) and not run_stages([stage], executor, logs):
         log(f"shard: submitted the encoding to {executor.kind}; run `enlace shard` again when it is done")
         return {}
     raise_recorded_errors(staging)
