@@ -40,7 +40,20 @@ def make_parquet(folder: Path, mib: int, file_mib: int = 64, seed: int = 0) -> i
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(seed)
-    vocab = np.array(FUNCTION * 3 + CONTENT)
+    # 20,000 pseudo-words from Spanish syllables with Zipf-like frequencies, plus the function words the
+    # language filter counts (about a third of the running words, as in real Spanish prose).
+    syll = [
+        c + v
+        for c in ("", "b", "c", "d", "f", "g", "l", "m", "n", "p", "r", "s", "t", "ch", "ll")
+        for v in "aeiou"
+    ]
+    pseudo = sorted({"".join(rng.choice(syll, rng.integers(2, 5))) for _ in range(30000)})[:20000]
+    vocab = np.array(FUNCTION + CONTENT + pseudo)
+    weights = np.concatenate(
+        [np.full(len(FUNCTION), 0.35 / len(FUNCTION)), 0.65 / np.arange(2, len(CONTENT) + len(pseudo) + 2)]
+    )
+    weights[len(FUNCTION) :] *= 0.65 / weights[len(FUNCTION) :].sum()
+    weights /= weights.sum()
     suffixes = np.array([""] * 8 + ["s", "es", "ado", "ción", "mente", "ista"])
     total, i = 0, 0
     folder.mkdir(parents=True, exist_ok=True)
@@ -51,7 +64,7 @@ def make_parquet(folder: Path, mib: int, file_mib: int = 64, seed: int = 0) -> i
             paras = []
             for _ in range(rng.integers(3, 8)):
                 n = int(rng.integers(40, 120))
-                words = np.char.add(rng.choice(vocab, n), rng.choice(suffixes, n))
+                words = np.char.add(rng.choice(vocab, n, p=weights), rng.choice(suffixes, n))
                 paras.append(" ".join(words.tolist()).capitalize() + ".")
             doc = "\n\n".join(paras)
             texts.append(doc)
@@ -184,16 +197,17 @@ def main() -> None:
                 str(tasks),
                 str(text_bytes),
             ]
-            p = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-            )
+            errlog = open(work / f"child{tasks}.log", "w")  # noqa: SIM115 - closed after the wait
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errlog, text=True)
             peak = 0
             while p.poll() is None:
                 peak = max(peak, tree_rss(p.pid))
                 time.sleep(0.2)
             out = p.stdout.read() if p.stdout else ""
+            errlog.close()
             if p.returncode != 0:
-                raise SystemExit(f"bench child with {tasks} tasks failed ({p.returncode})")
+                tail = (work / f"child{tasks}.log").read_text()[-3000:]
+                raise SystemExit(f"bench child with {tasks} tasks failed ({p.returncode}):\n{tail}")
             r = json.loads(out.strip().splitlines()[-1])
             r["peak_rss_mib"] = peak / 2**20
             results[f"tasks_{tasks}"] = r
