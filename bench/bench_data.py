@@ -106,29 +106,44 @@ def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
         }
     )
     raw, out = work / f"raw{tasks}", work / f"corpus{tasks}"
+    import resource
+
     times: dict[str, float] = {}
+    rss: dict[
+        str, float
+    ] = {}  # the child's own peak so far (MiB) after each stage; tasks run in other processes
+
+    def mark(stage: str) -> None:
+        rss[stage] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
     t = time.perf_counter()
     lock = Lock.load(work / f"lock{tasks}.json")
     roots = {"synth": fetch_source(data.sources[0], raw, lock)}
     lock.save()
     times["fetch"] = time.perf_counter() - t
+    mark("fetch")
     items = work_items(data, roots)
     extract, rest = corpus_stages(data, items, raw / ".work", out, "bench")
     t = time.perf_counter()
     run_stages(extract, data.executor, work / "logs" / "extract")
     raise_recorded_errors(raw / ".work")
     times["extract+clean"] = time.perf_counter() - t
+    mark("extract+clean")
     t = time.perf_counter()
     run_stages(rest, data.executor, work / "logs" / "dedup")
     raise_recorded_errors(raw / ".work")
     times["dedup+split"] = time.perf_counter() - t
+    mark("dedup+split")
     t = time.perf_counter()
-    tok = TokenizerConfig(type="unigram", vocab_size=8192, input_sentence_size=200_000, num_threads=tasks)
+    # A fixed thread count: the tokenizer is trained once, not per task, and its threads change the model.
+    tok = TokenizerConfig(type="unigram", vocab_size=8192, input_sentence_size=200_000, num_threads=2)
     build_tokenizer(tok, out, work / f"tok{tasks}")
     times["tokenizer"] = time.perf_counter() - t
+    mark("tokenizer")
     t = time.perf_counter()
     m = build_shards(out, work / f"tok{tasks}", work / f"shards{tasks}", "uint16", 8192, 1 << 24, tasks=tasks)
     times["shard"] = time.perf_counter() - t
+    mark("shard")
     manifest_sha = (
         __import__("hashlib").sha256((work / f"shards{tasks}" / "manifest.json").read_bytes()).hexdigest()
     )
@@ -136,6 +151,7 @@ def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
         json.dumps(
             {
                 "seconds": times,
+                "self_peak_rss_mib_after": rss,
                 "mb_per_s": {k: text_bytes / 1e6 / v for k, v in times.items()},
                 "tokens": m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"],
                 "shard_manifest_sha256": manifest_sha,
@@ -164,6 +180,7 @@ def tree_rss(pid: int) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256, help="MiB of synthetic text")
+    ap.add_argument("--file-mib", type=int, default=64, help="MiB of text per parquet file")
     ap.add_argument("--tasks", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--child", nargs=4, metavar=("WORK", "ENDPOINT", "TASKS", "BYTES"))
     args = ap.parse_args()
@@ -178,7 +195,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp, serve_hub() as hub:
         work = Path(tmp)
         t = time.perf_counter()
-        text_bytes = make_parquet(work / "src", args.mib)
+        text_bytes = make_parquet(work / "src", args.mib, args.file_mib)
         files = {f"data/{p.name}": p.read_bytes() for p in sorted((work / "src").glob("*.parquet"))}
         hub.publish("bench/es", files)
         print(

@@ -46,9 +46,9 @@ def test_missing_shards_tell_the_user_to_build_them_and_config_check_estimates(t
     where = {"shards": tmp_path / "s", "corpus": tmp_path / "c", "tokenizer": tmp_path / "t"}
     with pytest.raises(DataError, match="no shards in .*build them first"):
         check_budget(_cfg(), require_data=True, **where)
-    # Before any data exists, the data config's estimate is used (es-debian: 4.4 M tokens).
+    # Before any data exists, the data config's estimate is used (es-debian: 3.4 M tokens).
     b = check_budget(_cfg(), **where)
-    assert not b.exact and b.available == 4_400_000 and "about" in b.line()
+    assert not b.exact and b.available == 3_400_000 and "about" in b.line()
     # A corpus without shards: characters / chars-per-token.
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "manifest.json").write_text(json.dumps({"splits": {"train": {"chars": 4_000_000}}}))
@@ -65,4 +65,4 @@ def test_config_check_refuses_a_plan_that_loops_over_a_tiny_corpus(tmp_path, mon
     err = capsys.readouterr().err
     assert "2,621,440,000 tokens" in err and "about 5,000,000" in err and "524.3 epochs" in err
     assert main(["config", "check"]) == 0
-    assert "0.37 epochs" in capsys.readouterr().out
+    assert "0.48 epochs" in capsys.readouterr().out
