@@ -56,7 +56,7 @@ def main() -> int:
     # model and optimizer construction, loaders.
     setup = cumulative(
         stats,
-        "hardware.py:setup_runtime",
+        "runtime.py:setup_runtime",
         "trainer.py:build_model",
         "optim.py:build_optimizer",
         "loaders.py:make_loader",

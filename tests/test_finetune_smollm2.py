@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_finetune_hf import llamacpp_permute
+from helpers import llamacpp_permute
 
 from enlace.errors import EnlaceError
 from enlace.finetune.gguf_import import (

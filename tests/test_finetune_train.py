@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dolly_rows, make_folder, write_jsonl
 from safetensors.torch import load_file
-from test_finetune_common import dolly_rows, make_folder, write_jsonl
 
 from enlace.config.finetune import FinetuneConfig, FinetuneGeneration
 from enlace.config.hardware import HardwareConfig

@@ -42,6 +42,8 @@ class FinetuneConfig(Strict):
     out: str = "runs/finetune"
     checkpoint_every: int = Field(default=50, gt=0)
     keep_checkpoints: int = Field(default=2, ge=1)
+    # Changed settings, data or code: "move" keeps the old run under <out>/previous/<identity>/.
+    on_identity_change: Literal["move", "delete"] = "move"
     eval_prompts: list[str] = [
         "¿Qué puedo preparar de cena con huevos, patatas y cebolla?",
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",

@@ -13,8 +13,8 @@ import torch
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import CheckpointError
-from ..hardware import autocast, setup_runtime
 from ..io import atomic_write_text
+from ..runtime import autocast, setup_runtime
 from ..train.checkpoint import latest_checkpoint, load_optimizer_tensors, optimizer_tensors, save_checkpoint
 from .data import batch_indices, collate, load_dataset
 from .hf import load_hf_folder

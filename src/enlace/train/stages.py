@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from ..config import Config, save_resolved
 from ..errors import EnlaceError
 from ..estimate import preflight
-from ..hardware import check_device
 from ..io import atomic_write_json, atomic_write_text
+from ..runtime import check_device
 from . import dist as D
 from .checkpoint import list_checkpoints
 from .metrics import plot_loss, read_jsonl
