@@ -44,6 +44,8 @@ class FinetuneConfig(Strict):
     keep_checkpoints: int = Field(default=2, ge=1)
     # Changed settings, data or code: "move" keeps the old run under <out>/previous/<identity>/.
     on_identity_change: Literal["move", "delete"] = "move"
+    # Non-finite losses or gradients tolerated in a row before the run stops.
+    max_nonfinite_in_row: int = Field(default=5, gt=0)
     eval_prompts: list[str] = [
         "¿Qué puedo preparar de cena con huevos, patatas y cebolla?",
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",

@@ -86,8 +86,8 @@ def _finetune(args: argparse.Namespace) -> int:
     cfg = load_finetune_cfg(args)
     save_resolved(cfg, Path(cfg.finetune.out) / "config.json")
     result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
-    print(json.dumps(result["final"]))
-    return 0
+    print(json.dumps(result.final))
+    return result.exit_code
 
 
 def _finetune_eval(args: argparse.Namespace) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import math
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from .identity import RunIdentity, code_fingerprint, reconcile, weight_keys
 from .metrics import MetricsLog
 from .optim import build_optimizer
 from .schedule import lr_at
+from .signals import StopFlag
 from .step import StepSettings, TrainState, make_scaler, seed_everything, train_step
 
 # Keys that provably do not change the weights: names, how often to log, evaluate and save, how many
@@ -109,32 +109,6 @@ def pinned_step(cfg: Config) -> int | None:
         {"train.max_steps": cfg.train.max_steps, "train.schedule.decay_steps": cfg.train.schedule.decay_steps}
     )
     return s if 0 < s < cfg.train.max_steps else None
-
-
-# ---- signals ------------------------------------------------------------------------------------------
-
-
-class StopFlag:
-    """SIGTERM/SIGINT ask the loop to finish the current step, checkpoint and return."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the checkpoint
-        self.signal = signal.Signals(signum).name
-
-    def __enter__(self) -> StopFlag:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
 
 
 # ---- the loop -----------------------------------------------------------------------------------------
