@@ -86,6 +86,16 @@ def matmul_weights(m: ModelConfig) -> int:
     return m.n_layer * per_layer + m.vocab_size * d * (1 if m.tie_embeddings else 2)
 
 
+def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """FLOPs of a training step per token: 6 * N + 12 * L * d * T, N = matmul_weights.
+
+    6N: forward (2N) and backward (4N) matmuls. 12*L*d*T: attention scores and the weighted sum, forward and
+    backward, counted non-causal (PaLM's MFU convention: comparable across implementations even though
+    causal kernels skip half the work).
+    """
+    return 6.0 * matmul_weights(m) + 12.0 * m.n_layer * m.d_model * seq_len
+
+
 def resolve_attention(hw: HardwareConfig) -> str:
     """The SDPA backend a profile ends up with; 'auto' picks a fused kernel on both CPU and CUDA."""
     if hw.sdpa_backend != "auto":

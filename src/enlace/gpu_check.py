@@ -8,18 +8,20 @@ Checks, each recorded in the JSON even when it fails:
 - bf16 training the same way where the GPU has native bf16 (compute capability >= 8.0);
 - tokens/s and MFU against a measured dense-matmul peak;
 - torch.cuda.max_memory_allocated against the memory preflight's estimate;
-- resume exactness: save after k steps, run k more, reload, rerun, and compare the weights bit for bit.
+- resume exactness: save a checkpoint after k steps, run k more, reload it, rerun, compare bit for bit.
+Training goes through the trainer's own step and checkpoint code (enlace.train.step, enlace.train.checkpoint).
 Without a CUDA device it prints why it skipped and exits 0, so `make gpu-check` is safe anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import functools
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,27 +35,16 @@ import torch  # noqa: E402
 
 from .config.hardware import HardwareConfig  # noqa: E402
 from .config.model import ModelConfig  # noqa: E402
+from .config.train import OptimizerConfig  # noqa: E402
+from .estimate import train_flops_per_token  # noqa: E402
 from .model import Llama, closed_form_num_parameters  # noqa: E402
+from .train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from .train.optim import build_optimizer  # noqa: E402
+from .train.step import StepSettings, TrainState, make_scaler, train_step  # noqa: E402
+from .train.trainer import lm_forward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in matmuls: all but the norm gains; a tied embedding counts once (lm_head)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    norms = cfg.n_layer * (2 * d + (2 * hd if cfg.qk_norm else 0)) + d
-    return closed_form_num_parameters(cfg) - norms
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """FLOPs of a training step per token: 6 * N + 12 * L * d * T.
-
-    6N: forward (2N) and backward (4N) matmuls over the N matmul weights. 12*L*d*T: attention scores and
-    the weighted sum, forward and backward, counted non-causal (the convention of PaLM's MFU, which makes
-    numbers comparable across implementations even though causal kernels skip half the work).
-    """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * cfg.d_model * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
@@ -145,7 +136,7 @@ def _batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.
 
 
 class Stepper:
-    """Model, AdamW and (for fp16) a GradScaler: one optimisation step per call, like the trainer's."""
+    """The trainer's own step (enlace.train.step.train_step) on a model, AdamW and GradScaler (fp16)."""
 
     def __init__(
         self,
@@ -157,53 +148,41 @@ class Stepper:
         seed: int = 0,
     ):
         torch.manual_seed(seed)
-        self.device, self.dtype, self.backend = device, dtype, backend
-        self.model = Llama(cfg).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+        self.hw = HardwareConfig(
+            name=f"gpu-check-{dtype}",
+            device=device.type,
+            dtype=dtype,
+            loss_scaler=dtype == "fp16",
+            sdpa_backend=backend or "auto",
+        )
+        model = Llama(cfg).to(device)
+        opt = build_optimizer(model, OptimizerConfig(lr=lr, betas=(0.9, 0.95), weight_decay=0.1), device.type)
+        self.state = TrainState(model, opt, make_scaler(device, self.hw), device)
+        self.settings = StepSettings(accum=1, grad_clip=1.0, hardware=self.hw)
+        self.lr = lr
+
+    @property
+    def model(self) -> Llama:
+        return self.state.model
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        return self.state.scaler
 
     def step(self, tokens: torch.Tensor) -> float:
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype)
-        with (
-            sdpa_context(self.backend),
-            torch.autocast(self.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None),
-        ):
-            out = self.model(x, y)
-        # Backward outside autocast, as recommended; the scaler is a no-op when disabled.
-        with sdpa_context(self.backend):
-            self.scaler.scale(out.loss).backward()
-        self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        # Keep gradient buffers allocated, as between accumulated micro-batches (what the estimate assumes).
-        self.opt.zero_grad(set_to_none=False)
-        return out.loss.item()
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        forward = functools.partial(lm_forward, accum=1)
+        out, _ = train_step(self.state, self.model, batch, lambda: batch, forward, self.lr, self.settings)
+        return out.loss
 
-    def state(self) -> bytes:
-        """Everything a checkpoint holds, serialised as the trainer would write it."""
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "opt": self.opt.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "cpu_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
-            },
-            buf,
-        )
-        return buf.getvalue()
+    def save(self, root: Path) -> Path:
+        """A real checkpoint, written and verified by the trainer's code."""
+        tensors, meta = self.state.state_dict()
+        return save_checkpoint(root, self.state.step, tensors, meta)
 
-    def load(self, blob: bytes) -> None:
-        s = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False)
-        self.model.load_state_dict(s["model"])
-        self.opt.load_state_dict(s["opt"])
-        self.scaler.load_state_dict(s["scaler"])
-        torch.set_rng_state(s["cpu_rng"])
-        if s["cuda_rng"] is not None:
-            torch.cuda.set_rng_state_all(s["cuda_rng"])
+    def load(self, path: Path) -> None:
+        tensors, meta = load_checkpoint(path, device="cpu")
+        self.state.load_state_dict(tensors, meta)
 
 
 def train_check(
@@ -266,11 +245,12 @@ def resume_check(
         a = Stepper(cfg, device, dtype, backend)
         for i in range(k):
             a.step(data[i])
-        blob = a.state()
-        for i in range(k, 2 * k):
-            a.step(data[i])
-        b = Stepper(cfg, device, dtype, backend, seed=12345)  # different init: the load must overwrite it
-        b.load(blob)
+        with tempfile.TemporaryDirectory() as tmp:
+            saved = a.save(Path(tmp))
+            for i in range(k, 2 * k):
+                a.step(data[i])
+            b = Stepper(cfg, device, dtype, backend, seed=12345)  # different init: the load must overwrite it
+            b.load(saved)
         for i in range(k, 2 * k):
             b.step(data[i])
         pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
