@@ -34,7 +34,7 @@ CONFIG_DIR = "configs"
 
 
 def register_layer(name: str, schema: type[BaseModel]) -> None:
-    """Later issues add layers (e.g. finetune) without touching the resolver."""
+    """Add a config layer (e.g. finetune) without touching the resolver."""
     LAYERS[name] = schema
 
 
