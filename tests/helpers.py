@@ -162,12 +162,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, default=None)
     p.add_argument("--kill-during-save", type=int, default=None, metavar="STEP")
     p.add_argument("--kill-at-swap", type=int, default=None, metavar="STEP")
+    p.add_argument("--sigint-during-save", type=int, default=None, metavar="STEP")
     a = p.parse_args(argv)
     cfg = config_from_dict(json.loads(a.config.read_text()))
     if a.kill_during_save is not None:
         kill_during_save(a.kill_during_save)
     if a.kill_at_swap is not None:
         kill_at_swap(a.kill_at_swap)
+    if a.sigint_during_save is not None:
+        sigint_during_save(a.sigint_during_save)
     try:
         info = init_distributed(cfg.hardware.device, cfg.train.world_size)
         rank, world = info.rank, info.world_size
@@ -197,6 +200,24 @@ def kill_during_save(step: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     checkpoint.fsync_file = fsync_then_die
+
+
+def sigint_during_save(step: int) -> None:
+    """Send this process SIGINT after each tensor file of step's checkpoint: Ctrl-C pressed twice while
+    that checkpoint is being written."""
+    import os
+    import signal
+
+    from enlace.train import checkpoint
+
+    real = checkpoint.fsync_file
+
+    def fsync_then_interrupt(path: Path) -> None:
+        real(path)
+        if Path(path).parent.name.startswith(f".tmp-{checkpoint.step_dirname(step)}-"):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    checkpoint.fsync_file = fsync_then_interrupt
 
 
 def kill_at_swap(step: int) -> None:

@@ -81,11 +81,14 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _finetune(args: argparse.Namespace) -> int:
     from ..config import save_resolved
+    from ..train.lock import run_dir_lock
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
-    save_resolved(cfg, Path(cfg.finetune.out) / "config.json")
-    result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
+    out = Path(cfg.finetune.out)
+    with run_dir_lock(out):  # before anything is written into the run folder
+        save_resolved(cfg, out / "config.json")
+        result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
     print(json.dumps(result.final))
     return result.exit_code
 

@@ -28,9 +28,10 @@ from ..train import schedule as schedule_module
 from ..train import step as step_module
 from ..train.checkpoint import clean_partial, latest_checkpoint, list_checkpoints, save_checkpoint
 from ..train.identity import RunIdentity, code_fingerprint, reconcile, weight_keys
+from ..train.lock import run_dir_lock
 from ..train.metrics import MetricsLog, read_jsonl
 from ..train.schedule import wsd_lr
-from ..train.signals import StopFlag
+from ..train.signals import SecondInterrupt, StopFlag, abandoned
 from ..train.step import StepSettings, TrainState, make_scaler, train_step
 from . import data as data_module
 from . import hf as hf_module
@@ -168,6 +169,12 @@ def save(state: TrainState, cfg: FinetuneConfig, ident: RunIdentity) -> Path:
 def finetune(
     cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progress: bool = True
 ) -> FinetuneResult:
+    """Train (or resume) the adapter run in cfg.out; one process per run folder."""
+    with run_dir_lock(Path(cfg.out)):
+        return _finetune(cfg, hw, fresh, progress)
+
+
+def _finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool, progress: bool) -> FinetuneResult:
     from tqdm import tqdm
 
     device = setup_runtime(hw)
@@ -211,51 +218,57 @@ def finetune(
     batch = next(batches)
     interrupted = None
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="finetune")
-    with StopFlag() as stop:
-        while state.step < cfg.steps:
-            t0 = time.perf_counter()
-            res, batch = train_step(
-                state,
-                model,
-                batch,
-                functools.partial(next, batches),
-                sft_forward,
-                finetune_lr(cfg, state.step),
-                settings,
-            )
-            ntok = int(round(res.parts["tokens"]))
-            state.tokens += ntok
-            if state.nonfinite_in_row >= cfg.max_nonfinite_in_row:
-                done = list_checkpoints(ckpt_root)
-                raise FinetuneDiverged(
-                    f"{state.nonfinite_in_row} non-finite losses/gradients in a row (up to step {state.step}, "
-                    f"finetune.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); the last good checkpoint is "
-                    f"{done[-1] if done else 'none'}. Lower finetune.lr or check the data"
+    try:
+        with StopFlag() as stop:
+            while state.step < cfg.steps:
+                t0 = time.perf_counter()
+                res, batch = train_step(
+                    state,
+                    model,
+                    batch,
+                    functools.partial(next, batches),
+                    sft_forward,
+                    finetune_lr(cfg, state.step),
+                    settings,
                 )
-            dt = time.perf_counter() - t0
-            last = {
-                "step": state.step,
-                "loss": round(res.loss, 5),
-                "lr": res.lr,
-                "grad_norm": round(res.grad_norm, 5),
-                "tokens": ntok,
-                "s_per_step": round(dt, 3),
-                "skipped": state.skipped,
-            }
-            log.append(last)
-            bar.update(1)
-            bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.2e}", s_step=f"{dt:.2f}")
-            due = state.step % cfg.checkpoint_every == 0 or state.step in (cfg.steps, decay_start(ident.keys))
-            if due or stop.signal:
-                path = save(state, cfg, ident)
-            if stop.signal:
-                interrupted = stop.signal
-                print(
-                    f"finetune: stopped by {stop.signal} at step {state.step}; checkpoint saved to {path}. "
-                    "Rerun the same command to continue",
-                    flush=True,
+                ntok = int(round(res.parts["tokens"]))
+                state.tokens += ntok
+                if state.nonfinite_in_row >= cfg.max_nonfinite_in_row:
+                    done = list_checkpoints(ckpt_root)
+                    raise FinetuneDiverged(
+                        f"{state.nonfinite_in_row} non-finite losses/gradients in a row (up to step {state.step}, "
+                        f"finetune.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); the last good checkpoint is "
+                        f"{done[-1] if done else 'none'}. Lower finetune.lr or check the data"
+                    )
+                dt = time.perf_counter() - t0
+                last = {
+                    "step": state.step,
+                    "loss": round(res.loss, 5),
+                    "lr": res.lr,
+                    "grad_norm": round(res.grad_norm, 5),
+                    "tokens": ntok,
+                    "s_per_step": round(dt, 3),
+                    "skipped": state.skipped,
+                }
+                log.append(last)
+                bar.update(1)
+                bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.2e}", s_step=f"{dt:.2f}")
+                due = state.step % cfg.checkpoint_every == 0 or state.step in (
+                    cfg.steps,
+                    decay_start(ident.keys),
                 )
-                break
+                if due or stop.signal:
+                    path = save(state, cfg, ident)
+                if stop.signal:
+                    interrupted = stop.signal
+                    print(
+                        f"finetune: stopped by {stop.signal} at step {state.step}; checkpoint saved to {path}. "
+                        "Rerun the same command to continue",
+                        flush=True,
+                    )
+                    break
+    except SecondInterrupt:
+        raise abandoned(state.step, list_checkpoints(ckpt_root)) from None
     bar.close()
     if interrupted is None:
         save_adapter(model, out / "adapter", cfg.base_model)

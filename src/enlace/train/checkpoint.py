@@ -15,6 +15,7 @@ groups and metadata that both stages write.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
@@ -64,15 +66,29 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    files: dict[str, str] = {}
-    for group in sorted(tensors):
-        name = f"{group}.safetensors"
-        data = {k: v.detach().to("cpu").contiguous() for k, v in tensors[group].items()}
-        save_file(data, str(tmp / name))
-        fsync_file(tmp / name)
-        files[name] = sha256_file(tmp / name)
-    _write_text(tmp / META, canonical_json({**meta, "step": step, "files": files}))
-    fsync_dir(tmp)
+    try:
+        files: dict[str, str] = {}
+        for group in sorted(tensors):
+            name = f"{group}.safetensors"
+            data = {k: v.detach().to("cpu").contiguous() for k, v in tensors[group].items()}
+            save_file(data, str(tmp / name))
+            fsync_file(tmp / name)
+            files[name] = sha256_file(tmp / name)
+        _write_text(tmp / META, canonical_json({**meta, "step": step, "files": files}))
+        fsync_dir(tmp)
+    except (OSError, SafetensorError) as e:
+        # A full disk or a vanished folder: drop the partial copy, keep every complete checkpoint.
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = list_checkpoints(root)
+        kept = (
+            f"the last complete checkpoint, {done[-1].name}, is intact"
+            if done
+            else "no checkpoint exists yet"
+        )
+        raise CheckpointError(
+            f"{root}: could not write the checkpoint of step {step} ({_reason(e)}); {kept}. "
+            "Free space or choose another run directory, then rerun to continue"
+        ) from None
     # Re-saving a step (a resumed run stopping at the same step): the old copy is moved aside, not deleted,
     # until the new one is in place; COMPLETE marks the new one loadable.
     replace_dir(tmp, final)
@@ -90,6 +106,13 @@ def list_checkpoints(root: Path) -> list[Path]:
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / COMPLETE).exists()]
     return sorted(dirs, key=step_of)
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    text = str(e)  # safetensors reports I/O errors as text, e.g. "... No space left on device (os error 28)"
+    return "no space left on device" if "os error 28" in text else text.splitlines()[0][:200]
 
 
 def step_of(path: Path) -> int:
@@ -167,12 +190,16 @@ def load_checkpoint(
 
 
 def latest_checkpoint(
-    root: Path, fallback_on_corrupt: bool = False, device: str | torch.device = "cpu"
+    root: Path,
+    fallback_on_corrupt: bool = False,
+    device: str | torch.device = "cpu",
+    fallback_setting: str | None = None,
 ) -> tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, Any]] | None:
     """The newest complete checkpoint that verifies, or None when there is none.
 
     A corrupted newest checkpoint is an error (naming the file and any older complete checkpoint) unless
-    fallback_on_corrupt, in which case the next older one that verifies is used.
+    fallback_on_corrupt, in which case the next older one that verifies is used. fallback_setting: the
+    config key that turns the fallback on, named in the error where the caller has one (training).
     """
     candidates = list_checkpoints(root)
     errors: list[str] = []
@@ -182,9 +209,9 @@ def latest_checkpoint(
         except CheckpointError as e:
             older = candidates[: len(candidates) - 1 - i]
             if not fallback_on_corrupt:
+                how = f"set {fallback_setting} to resume from it, or " if fallback_setting else ""
                 hint = (
-                    f"; an older complete checkpoint exists: {older[-1]} (set train.checkpoint.fallback_on_corrupt"
-                    " to resume from it, or delete the corrupted one)"
+                    f"; an older complete checkpoint exists: {older[-1]} ({how}delete the corrupted one to use it)"
                     if older
                     else "; no older complete checkpoint exists"
                 )

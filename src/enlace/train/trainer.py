@@ -36,7 +36,7 @@ from .identity import RunIdentity, code_fingerprint, reconcile, weight_keys
 from .metrics import MetricsLog
 from .optim import build_optimizer
 from .schedule import lr_at
-from .signals import StopFlag
+from .signals import SecondInterrupt, StopFlag, abandoned
 from .step import StepSettings, TrainState, make_scaler, seed_everything, train_step
 
 # Keys that provably do not change the weights: names, how often to log, evaluate and save, how many
@@ -150,7 +150,8 @@ def resume(state: TrainState, cfg: Config, run_dir: Path, ident: RunIdentity, in
         if why:
             print(why, flush=True)
     D.barrier(info)
-    found = latest_checkpoint(ckpt_root, cfg.train.checkpoint.fallback_on_corrupt, device="cpu")
+    fallback = cfg.train.checkpoint.fallback_on_corrupt
+    found = latest_checkpoint(ckpt_root, fallback, "cpu", "train.checkpoint.fallback_on_corrupt")
     if found is None:
         return None
     _, tensors, meta = found
@@ -253,50 +254,59 @@ def train(
         total=t.max_steps, initial=state.step, disable=not (progress and info.is_main), dynamic_ncols=True
     )
     last_time, last_tokens = time.perf_counter(), state.tokens
-    with StopFlag() as stop:
-        while state.step < t.max_steps:
-            out, batch = train_step(
-                state, model, batch, functools.partial(next, batches), forward, lr_at(t, state.step), settings
-            )
-            state.tokens += tokens_per_step
-            step, end_loss = state.step, out.loss
-            if state.nonfinite_in_row >= t.max_nonfinite_in_row:
-                raise diverged(state, cfg, run_dir)
-
-            if info.is_main and (step == 1 or step % t.log_every == 0 or step == t.max_steps):
-                now = time.perf_counter()
-                tok_s = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
-                last_time, last_tokens = now, state.tokens
-                log.append(
-                    {
-                        "step": step,
-                        "loss": out.loss,
-                        **out.parts,
-                        "lr": out.lr,
-                        "grad_norm": out.grad_norm,
-                        "tokens": state.tokens,
-                        "tokens_per_s": round(tok_s, 1),
-                        "skipped": state.skipped,
-                    }
+    try:
+        with StopFlag() as stop:
+            while state.step < t.max_steps:
+                out, batch = train_step(
+                    state,
+                    model,
+                    batch,
+                    functools.partial(next, batches),
+                    forward,
+                    lr_at(t, state.step),
+                    settings,
                 )
-            bar.update(1)
-            bar.set_postfix(
-                loss=f"{out.loss:.4f}", lr=f"{out.lr:.2e}", tok_s=f"{tok_s or 0:.0f}", refresh=False
-            )
+                state.tokens += tokens_per_step
+                step, end_loss = state.step, out.loss
+                if state.nonfinite_in_row >= t.max_nonfinite_in_row:
+                    raise diverged(state, cfg, run_dir)
 
-            if info.is_main and t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
-                v = evaluate(raw_model, val_batches, hw, device)
-                log.append({"step": step, "val_loss": v, "val_bpb": v / math.log(2) / bytes_per_token})
+                if info.is_main and (step == 1 or step % t.log_every == 0 or step == t.max_steps):
+                    now = time.perf_counter()
+                    tok_s = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
+                    last_time, last_tokens = now, state.tokens
+                    log.append(
+                        {
+                            "step": step,
+                            "loss": out.loss,
+                            **out.parts,
+                            "lr": out.lr,
+                            "grad_norm": out.grad_norm,
+                            "tokens": state.tokens,
+                            "tokens_per_s": round(tok_s, 1),
+                            "skipped": state.skipped,
+                        }
+                    )
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{out.loss:.4f}", lr=f"{out.lr:.2e}", tok_s=f"{tok_s or 0:.0f}", refresh=False
+                )
 
-            stop_now = D.any_across(info, stop.signal is not None, device)
-            due = step % t.checkpoint.every == 0 or step in (t.max_steps, stop_after, pinned_step(cfg))
-            if due or stop_now:
-                save(state, cfg, run_dir, ident, info)
-            if stop_now:
-                interrupted = stop.signal or "SIGTERM"  # another rank got the signal
-                break
-            if step == stop_after:
-                break
+                if info.is_main and t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
+                    v = evaluate(raw_model, val_batches, hw, device)
+                    log.append({"step": step, "val_loss": v, "val_bpb": v / math.log(2) / bytes_per_token})
+
+                stop_now = D.any_across(info, stop.signal is not None, device)
+                due = step % t.checkpoint.every == 0 or step in (t.max_steps, stop_after, pinned_step(cfg))
+                if due or stop_now:
+                    save(state, cfg, run_dir, ident, info)
+                if stop_now:
+                    interrupted = stop.signal or "SIGTERM"  # another rank got the signal
+                    break
+                if step == stop_after:
+                    break
+    except SecondInterrupt:
+        raise abandoned(state.step, list_checkpoints(run_dir / "checkpoints")) from None
     bar.close()
 
     if state.step == t.max_steps and info.is_main:
