@@ -96,6 +96,25 @@ def test_run_dir_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
     assert err.count("\n") == 1 and "not a directory" in err and f.read_text() == "x"
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+@pytest.mark.parametrize("fresh", [False, True])
+def test_read_only_run_dir_is_refused(tmp_path, fresh):
+    run(tmp_path / "run", stop_after=2)
+    before = checkpoint_digests(list_checkpoints(tmp_path / "run" / "checkpoints")[-1])
+    for d in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+        d.chmod(0o555)
+    try:
+        cfg = tiny_config()
+        from enlace.train.stages import pretrain
+
+        with pytest.raises(EnlaceError, match="cannot write in the run directory"):
+            pretrain(cfg, tmp_path / "run", progress=False, fresh=fresh)
+    finally:
+        for d in (tmp_path / "run", tmp_path / "run" / "checkpoints"):
+            d.chmod(0o755)
+    assert checkpoint_digests(list_checkpoints(tmp_path / "run" / "checkpoints")[-1]) == before
+
+
 # ---- full disk ---------------------------------------------------------------------------------------------
 
 

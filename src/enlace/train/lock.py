@@ -39,8 +39,10 @@ def run_dir_lock(run_dir: Path, enabled: bool = True) -> Iterator[None]:
         yield
         return
     check_run_dir(run_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise EnlaceError(f"{path}: cannot create the run directory's lock file ({e.strerror or e})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -61,7 +63,17 @@ def run_dir_lock(run_dir: Path, enabled: bool = True) -> Iterator[None]:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    """A run directory must be a directory (or not exist yet)."""
+    """A run directory must be a directory (or not exist yet) that this process can write in."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise EnlaceError(f"{run_dir}: not a directory (a run directory holds checkpoints and logs)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise EnlaceError(
+            f"{run_dir}: cannot write in the run directory ({e.strerror or e}); fix its permissions or "
+            "choose another one"
+        ) from None
