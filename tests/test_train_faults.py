@@ -77,7 +77,7 @@ def test_second_process_on_a_run_dir_is_refused_and_the_lock_dies_with_the_holde
         assert main(["smoke", "--no-progress", "--run-dir", str(run_dir)]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"pid {holder.pid}" in err and str(run_dir) in err
-        assert not run_dir.exists()  # nothing was written by the refused process
+        assert list(run_dir.iterdir()) == []  # the refused process wrote nothing
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()

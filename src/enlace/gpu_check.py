@@ -6,6 +6,7 @@ Checks, each recorded in the JSON even when it fails:
 - which scaled_dot_product_attention backends run tiny-50m's shapes (causal, GQA) and which one PyTorch picks;
 - fp16 + GradScaler training of tiny-50m on one repeated batch: finite losses that fall (it memorises);
 - bf16 training the same way where the GPU has native bf16 (compute capability >= 8.0);
+- the same through torch.compile (what `compile: true` profiles run; Triton needs a C compiler at run time);
 - tokens/s and MFU against a measured dense-matmul peak;
 - torch.cuda.max_memory_allocated against the memory preflight's estimate;
 - resume exactness: save a checkpoint after k steps, run k more, reload it, rerun, compare bit for bit.
@@ -146,6 +147,7 @@ class Stepper:
         backend: str | None,
         lr: float = 1e-3,
         seed: int = 0,
+        compile: bool = False,
     ):
         torch.manual_seed(seed)
         self.hw = HardwareConfig(
@@ -158,6 +160,8 @@ class Stepper:
         model = Llama(cfg).to(device)
         opt = build_optimizer(model, OptimizerConfig(lr=lr, betas=(0.9, 0.95), weight_decay=0.1), device.type)
         self.state = TrainState(model, opt, make_scaler(device, self.hw), device)
+        # What the trainer calls: the model itself, or its torch.compile wrapper (hardware.compile).
+        self.call = torch.compile(model) if compile else model
         self.settings = StepSettings(accum=1, grad_clip=1.0, hardware=self.hw)
         self.lr = lr
 
@@ -172,7 +176,7 @@ class Stepper:
     def step(self, tokens: torch.Tensor) -> float:
         batch = (tokens[:, :-1], tokens[:, 1:])
         forward = functools.partial(lm_forward, accum=1)
-        out, _ = train_step(self.state, self.model, batch, lambda: batch, forward, self.lr, self.settings)
+        out, _ = train_step(self.state, self.call, batch, lambda: batch, forward, self.lr, self.settings)
         return out.loss
 
     def save(self, root: Path) -> Path:
@@ -194,12 +198,14 @@ def train_check(
     batch: int,
     seq_len: int,
     estimate: Callable[[int, int], int] | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
-    """Train on one repeated batch: losses must be finite and fall; also speed and peak memory."""
+    """Train on one repeated batch: losses must be finite and fall; also speed and peak memory.
+    compile: through torch.compile, as profiles with hardware.compile train (needs Triton and a C compiler)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    st = Stepper(cfg, device, dtype, backend)
+    st = Stepper(cfg, device, dtype, backend, compile=compile)
     tokens = _batch(cfg, batch, seq_len, seed=1, device=device)
     losses: list[float] = []
     warmup = min(3, max(steps - 1, 0))
@@ -356,6 +362,12 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         checks["train_bf16"] = {"ok": None, "skipped": f"sm_{cc[0]}{cc[1]} has no native bf16 (needs sm_80+)"}
+    compiled_dtype = "bf16" if native_bf16 else "fp16"
+    _guard(
+        checks,
+        "train_compiled",
+        lambda: train_check(cfg, device, compiled_dtype, None, args.steps, args.batch, seq_len, compile=True),
+    )
     for name in ("train_fp16", "train_bf16"):
         r = checks.get(name, {})
         dt = "fp16" if name == "train_fp16" else "bf16"

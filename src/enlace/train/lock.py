@@ -38,11 +38,15 @@ def run_dir_lock(run_dir: Path, enabled: bool = True) -> Iterator[None]:
     if not enabled or path in _held:
         yield
         return
-    check_run_dir(run_dir)
+    if Path(run_dir).exists() and not Path(run_dir).is_dir():
+        raise EnlaceError(f"{run_dir}: not a directory (a run directory holds checkpoints and logs)")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise EnlaceError(f"{path}: cannot create the run directory's lock file ({e.strerror or e})") from None
+        raise EnlaceError(
+            f"{path}: cannot create the run directory's lock file ({e.strerror or e})"
+        ) from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -56,17 +60,16 @@ def run_dir_lock(run_dir: Path, enabled: bool = True) -> Iterator[None]:
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _held[path] = fd
     try:
+        check_writable(run_dir)
         yield
     finally:
         del _held[path]
         os.close(fd)  # closing the last descriptor releases the lock
 
 
-def check_run_dir(run_dir: Path) -> None:
-    """A run directory must be a directory (or not exist yet) that this process can write in."""
+def check_writable(run_dir: Path) -> None:
+    """Fail at once, in one line, where the run could not save anything."""
     run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise EnlaceError(f"{run_dir}: not a directory (a run directory holds checkpoints and logs)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         probe = run_dir / f".write-test-{os.getpid()}"

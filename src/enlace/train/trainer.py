@@ -105,17 +105,16 @@ def decay_start(keys: dict[str, Any]) -> int:
 
 def pinned_step(cfg: Config) -> int | None:
     """The last step before the decay: its checkpoint is kept, so a longer run can start from it."""
-    s = decay_start(
-        {"train.max_steps": cfg.train.max_steps, "train.schedule.decay_steps": cfg.train.schedule.decay_steps}
-    )
+    s = cfg.train.max_steps - cfg.train.schedule.decay_steps  # decay_start() of this config
     return s if 0 < s < cfg.train.max_steps else None
 
 
 # ---- the loop -----------------------------------------------------------------------------------------
 
 
-def build_model(cfg: Config, device: torch.device) -> Llama:
-    """Weights depend only on train.seed: the same seed gives the same initial model on any machine."""
+def init_model(cfg: Config, device: torch.device) -> Llama:
+    """A freshly initialised model (hf.build_model adopts loaded weights instead). The weights depend only
+    on train.seed: the same seed gives the same initial model on any machine."""
     seed_everything(cfg.train.seed)
     return Llama(cfg.model).to(device)
 
@@ -222,7 +221,7 @@ def train(
         )
     ident = run_identity(cfg, loader.fingerprint, info.world_size)
 
-    raw_model = build_model(cfg, device)
+    raw_model = init_model(cfg, device)
     seed_everything(t.seed + info.rank)  # per-rank streams after the shared init (dropout, if any)
     optimizer = build_optimizer(raw_model, t.optimizer, device.type)
     state = TrainState(raw_model, optimizer, make_scaler(device, hw), device, loader)
