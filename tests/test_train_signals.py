@@ -103,7 +103,7 @@ def test_sigterm_saves_and_exits(tmp_path, reference):
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, err  # documented: 143, the run is not finished
-    assert '"interrupted": "SIGTERM"' in out
+    assert '"interrupted": "SIGTERM"' in out and "; checkpoint saved to " in out
     last = list_checkpoints(run_dir / "checkpoints")[-1]
     logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert last.name == step_dirname(logged[-1]) and logged[-1] < 40  # saved at the step it stopped

@@ -134,7 +134,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(handler=_import_gguf)
 
     ft = _common()
-    p = sub.add_parser("finetune", parents=[ft], help="train a LoRA adapter on instruction data")
+    p = sub.add_parser(
+        "finetune",
+        parents=[ft],
+        help="train a LoRA adapter on instruction data",
+        description="Train a LoRA adapter on instruction data (resumes the run in --out when its settings, data, "
+        "base model and code are unchanged). Exit status: 0 done, 2 user error or divergence, 143/130 "
+        "stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to continue), 1 interrupted twice "
+        "without saving the current step.",
+    )
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--rank", type=int)

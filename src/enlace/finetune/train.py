@@ -180,8 +180,8 @@ def _finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool, progress: bo
     device = setup_runtime(hw)
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
+    model, tok, data = prepare(cfg, device)  # checks the base folder and the data file, naming them
     ident = run_identity(cfg, hw)
-    model, tok, data = prepare(cfg, device)
     rep = data.report()
     print(
         f"data: {rep['examples']} examples ({rep['assistant_tokens']} assistant tokens); dropped "

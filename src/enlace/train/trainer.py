@@ -301,6 +301,12 @@ def train(
                     save(state, cfg, run_dir, ident, info)
                 if stop_now:
                     interrupted = stop.signal or "SIGTERM"  # another rank got the signal
+                    if info.is_main:
+                        print(
+                            f"stopped by {interrupted} at step {step}; checkpoint saved to "
+                            f"{list_checkpoints(run_dir / 'checkpoints')[-1]}. Rerun the same command to continue",
+                            flush=True,
+                        )
                     break
                 if step == stop_after:
                     break
