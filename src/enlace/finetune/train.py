@@ -214,23 +214,16 @@ def _finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool, progress: bo
 
     model.train()
     settings = StepSettings(cfg.grad_accum, cfg.grad_clip, hw)
-    batches = micro_batches(data, tok.pad_id, cfg, state.step, device)
-    batch = next(batches)
+    next_batch = functools.partial(next, micro_batches(data, tok.pad_id, cfg, state.step, device))
+    batch = next_batch()
     interrupted = None
     bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="finetune")
     try:
         with StopFlag() as stop:
             while state.step < cfg.steps:
                 t0 = time.perf_counter()
-                res, batch = train_step(
-                    state,
-                    model,
-                    batch,
-                    functools.partial(next, batches),
-                    sft_forward,
-                    finetune_lr(cfg, state.step),
-                    settings,
-                )
+                lr = finetune_lr(cfg, state.step)
+                res, batch = train_step(state, model, batch, next_batch, sft_forward, lr, settings)
                 ntok = int(round(res.parts["tokens"]))
                 state.tokens += ntok
                 if state.nonfinite_in_row >= cfg.max_nonfinite_in_row:

@@ -241,8 +241,8 @@ def train(
 
     settings = StepSettings(t.grad_accum_steps, t.optimizer.grad_clip, hw, info)
     forward = functools.partial(lm_forward, accum=t.grad_accum_steps)
-    batches = micro_batches(loader, state.step, t.grad_accum_steps, device)
-    batch = next(batches)
+    next_batch = functools.partial(next, micro_batches(loader, state.step, t.grad_accum_steps, device))
+    batch = next_batch()
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     val_batches = val_loader.val_batches(t.eval_batches) if info.is_main else []
     bytes_per_token = float(getattr(val_loader, "bytes_per_token", 1.0))
@@ -256,15 +256,8 @@ def train(
     try:
         with StopFlag() as stop:
             while state.step < t.max_steps:
-                out, batch = train_step(
-                    state,
-                    model,
-                    batch,
-                    functools.partial(next, batches),
-                    forward,
-                    lr_at(t, state.step),
-                    settings,
-                )
+                lr = lr_at(t, state.step)
+                out, batch = train_step(state, model, batch, next_batch, forward, lr, settings)
                 state.tokens += tokens_per_step
                 step, end_loss = state.step, out.loss
                 if state.nonfinite_in_row >= t.max_nonfinite_in_row:
