@@ -9,7 +9,8 @@ Checks, each recorded in the JSON even when it fails:
 - the same through torch.compile (what `compile: true` profiles run; Triton needs a C compiler at run time);
 - tokens/s and MFU against a measured dense-matmul peak;
 - torch.cuda.max_memory_allocated against the memory preflight's estimate;
-- resume exactness: save a checkpoint after k steps, run k more, reload it, rerun, compare bit for bit.
+- resume exactness: the trainer itself stopped after k steps and resumed writes the same checkpoint files
+  as a straight run of 2k steps.
 Training goes through the trainer's own step and checkpoint code (enlace.train.step, enlace.train.checkpoint).
 Without a CUDA device it prints why it skipped and exits 0, so `make gpu-check` is safe anywhere.
 """
@@ -39,7 +40,6 @@ from .config.model import ModelConfig  # noqa: E402
 from .config.train import OptimizerConfig  # noqa: E402
 from .estimate import train_flops_per_token  # noqa: E402
 from .model import Llama, closed_form_num_parameters  # noqa: E402
-from .train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from .train.optim import build_optimizer  # noqa: E402
 from .train.step import StepSettings, TrainState, make_scaler, train_step  # noqa: E402
 from .train.trainer import lm_forward  # noqa: E402
@@ -179,15 +179,6 @@ class Stepper:
         out, _ = train_step(self.state, self.call, batch, lambda: batch, forward, self.lr, self.settings)
         return out.loss
 
-    def save(self, root: Path) -> Path:
-        """A real checkpoint, written and verified by the trainer's code."""
-        tensors, meta = self.state.state_dict()
-        return save_checkpoint(root, self.state.step, tensors, meta)
-
-    def load(self, path: Path) -> None:
-        tensors, meta = load_checkpoint(path, device="cpu")
-        self.state.load_state_dict(tensors, meta)
-
 
 def train_check(
     cfg: ModelConfig,
@@ -240,28 +231,89 @@ def train_check(
     return res
 
 
+class RandomTokens:
+    """Seeded random token windows with the trainer's loader API: the resume check needs no corpus."""
+
+    def __init__(self, vocab: int, seq_len: int, batch: int, seed: int = 0):
+        self.vocab, self.seq_len, self.batch, self.seed = vocab, seq_len, batch, seed
+        self.fingerprint = f"random-tokens-{vocab}-{seed}"
+        self.bytes_per_token = 1.0
+
+    def _rows(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(key)
+        t = torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), generator=g)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def get_batch(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(self.seed * 1_000_003 + step)
+
+    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self._rows(-1 - i) for i in range(n)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        pass  # the batches are a pure function of the step
+
+
 def resume_check(
     cfg: ModelConfig, device: torch.device, dtype: str, backend: str | None, k: int, batch: int, seq_len: int
 ) -> dict[str, Any]:
-    """Save after k steps, run k more; reload the save into a fresh run, rerun those k; compare bit for bit."""
+    """The trainer itself (enlace.train.trainer.train) on this device: a run stopped after k steps and resumed
+    must write the same final checkpoint, byte for byte, as a run of 2k steps without a stop."""
+    from .config.resolve import LAYERS, Config
+    from .train.checkpoint import list_checkpoints
+    from .train.trainer import train
+
+    hw = HardwareConfig(
+        name=f"gpu-check-{dtype}",
+        device=device.type,
+        dtype=dtype,
+        loss_scaler=dtype == "fp16",
+        sdpa_backend=backend or "auto",
+        deterministic=True,
+    )
+    t = {
+        "name": "gpu-check", "max_steps": 2 * k, "micro_batch_size": batch, "global_batch_size": batch,
+        "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1, "decay_steps": k},
+        "checkpoint": {"every": k, "keep_last": 2}, "log_every": 1, "eval_batches": 1,
+    }  # fmt: skip
+    run_cfg = Config(
+        layers={
+            "hardware": hw,
+            "model": cfg.model_copy(update={"seq_len": seq_len}),
+            "train": LAYERS["train"].model_validate(t),
+            "data": LAYERS["data"].model_validate({"name": "random-tokens", "sources": []}),
+        },
+        provenance={},
+        files={},
+    )
     previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
     try:
-        data = [_batch(cfg, batch, seq_len, seed=100 + i, device=device) for i in range(2 * k)]
-        a = Stepper(cfg, device, dtype, backend)
-        for i in range(k):
-            a.step(data[i])
         with tempfile.TemporaryDirectory() as tmp:
-            saved = a.save(Path(tmp))
-            for i in range(k, 2 * k):
-                a.step(data[i])
-            b = Stepper(cfg, device, dtype, backend, seed=12345)  # different init: the load must overwrite it
-            b.load(saved)
-        for i in range(k, 2 * k):
-            b.step(data[i])
-        pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
-        differing = [n for n in pa if not torch.equal(pa[n], pb[n])]
-        return {"ok": not differing, "steps": k, "differing_parameters": differing[:10], "dtype": dtype}
+            finals = []
+            for run, stops in (("straight", [None]), ("resumed", [k, None])):
+                for stop in stops:
+                    data = RandomTokens(cfg.vocab_size, seq_len, batch)
+                    train(
+                        run_cfg,
+                        Path(tmp) / run,
+                        loader=data,
+                        val_loader=data,
+                        stop_after=stop,
+                        progress=False,
+                    )
+                finals.append(list_checkpoints(Path(tmp) / run / "checkpoints")[-1])
+            a, b = finals
+            differing = [f.name for f in sorted(a.iterdir()) if f.read_bytes() != (b / f.name).read_bytes()]
+        return {
+            "ok": not differing,
+            "steps": 2 * k,
+            "resumed_at": k,
+            "differing_files": differing,
+            "dtype": dtype,
+        }
     finally:
         torch.use_deterministic_algorithms(previous)
 
