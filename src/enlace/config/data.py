@@ -119,7 +119,8 @@ class ExecutorConfig(Strict):
     kind: Literal["local", "slurm", "ray"] = "local"
     # Work split into this many tasks (the outputs do not depend on it); null: one per core.
     tasks: StrictInt | None = Field(default=None, ge=1)
-    workers: StrictInt | None = Field(default=None, ge=1)  # tasks run at once (local); null: min(tasks, cores)
+    # Tasks run at once (local); null: min(tasks, cores).
+    workers: StrictInt | None = Field(default=None, ge=1)
     logging_dir: str = "data/logs"
     # slurm: passed to datatrove's SlurmPipelineExecutor (partition, time, cpus_per_task, mem_per_cpu_gb...).
     slurm: dict[str, str | StrictInt | StrictFloat] = {}
