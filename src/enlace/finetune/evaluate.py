@@ -10,10 +10,10 @@ import torch
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import EnlaceError
-from ..hardware import setup_runtime
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
+from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
 from .lora import load_adapter, set_merged
 from .loss import assistant_loss_sum

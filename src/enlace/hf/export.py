@@ -18,8 +18,7 @@ import torch
 
 from .. import paths
 from ..errors import EnlaceError
-from ..finetune.atomic import atomic_dir
-from ..io import atomic_write_json, sha256_file
+from ..io import atomic_dir, atomic_write_json, sha256_file
 from ..model import Llama
 from . import sp_convert
 from .config import to_hf_config

@@ -13,8 +13,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EnlaceError
-from ..finetune.atomic import write_safetensors
-from ..io import atomic_write_json
+from ..io import atomic_write_json, write_safetensors
 from ..model import Llama
 from .config import from_hf_config, to_hf_config
 from .state_dict_adapter import WeightsError, from_hf, to_hf

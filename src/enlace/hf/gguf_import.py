@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError, EnlaceError
-from ..finetune.atomic import atomic_dir, write_safetensors
-from ..io import atomic_write_json, sha256_file
+from ..io import atomic_dir, atomic_write_json, sha256_file, write_safetensors
 from ..paths import PYPI_CACHE, SMOLLM2_DIR
 from . import sp_convert
 from .config import UnsupportedModelError, from_hf_config
