@@ -49,19 +49,23 @@ def make_project(folder: Path, qk_norm: bool = True, tied: bool = True, seed: in
     """
     shutil.copy(ROOT / "params.yaml", folder / "params.yaml")
     shutil.copytree(ROOT / "configs", folder / "configs")
-    corpus = folder / "data" / "corpus"
-    corpus.mkdir(parents=True)
+    src = folder / "corpus-src"
+    src.mkdir()
     rng = random.Random(seed)
-    docs = [spanish_doc(rng) for _ in range(160)]
-    for split, part in (("train", docs[:-16]), ("val", docs[-16:])):
-        (corpus / f"{split}.jsonl").write_text(
-            "".join(json.dumps({"source": "gen", "text": d}, ensure_ascii=False) + "\n" for d in part),
-            encoding="utf-8",
-        )
-    data = ["--set", f"data.tokenizer.vocab_size={VOCAB}", "--set", "data.tokenizer.num_threads=1"]
+    for i in range(160):
+        (src / f"doc{i:03d}.txt").write_text(spanish_doc(rng), encoding="utf-8")
+    layer = {
+        "name": "tiny", "val_fraction": 0.1, "cleaning": {"min_doc_chars": 100},
+        "sources": [{"name": "gen", "kind": "local", "path": "corpus-src"}],
+        "tokenizer": {"type": "bpe", "vocab_size": VOCAB, "num_threads": 1},
+        "shard": {"tokens_per_shard": 20000, "num_workers": 1},
+    }  # fmt: skip
+    (folder / "configs" / "data" / "tiny.yaml").write_text(json.dumps(layer), encoding="utf-8")
+    data = ["--data", "tiny"]
+    assert main(["fetch", *data]) == 0
     assert main(["tokenize", *data]) == 0
     data += ["--set", f"model.vocab_size={VOCAB}"]  # shard checks the model's vocabulary too
-    assert main(["shard", *data, "--set", "data.shard.num_workers=1"]) == 0
+    assert main(["shard", *data]) == 0
     model = [
         "--set",
         f"model.qk_norm={str(qk_norm).lower()}",

@@ -390,8 +390,8 @@ def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
 def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
     """A GPT-2-style folder (as SmolLM2's) merged with an adapter: equal to PEFT's merge, and its GGUF
     (llama architecture, q/k permuted, "gpt2" vocabulary) reads back with the same tensors and tokenizer."""
+    from helpers import SENTENCES, make_folder
     from peft import PeftModel
-    from test_finetune_common import SENTENCES, make_folder
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
