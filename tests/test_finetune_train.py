@@ -109,8 +109,9 @@ def test_chat_streams_replies_until_exit(setup):
     model, tok = load_for_generation(folder)
     out = io.StringIO()
     msgs = chat_repl(
-        model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5, temperature=0.0
-    )
+        model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5,
+        temperature=0.0, repetition_penalty=1.0, no_repeat_ngram=0,  # plain greedy: one line per reply
+    )  # fmt: skip
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
     lines = out.getvalue().split("\n")
     assert lines[0].strip() == msgs[1]["content"] and lines[1].strip() == msgs[3]["content"]
