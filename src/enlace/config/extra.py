@@ -10,6 +10,8 @@ class GenerationConfig(Strict):
     temperature: float = Field(default=0.8, ge=0)  # 0: greedy
     top_k: int = Field(default=50, ge=0)  # 0: off
     top_p: float = Field(default=0.95, gt=0, le=1)
+    repetition_penalty: float = Field(default=1.0, ge=1)  # 1: off
+    no_repeat_ngram: int = Field(default=0, ge=0)  # 0: off
     seed: int = 0
 
 
