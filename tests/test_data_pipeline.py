@@ -231,7 +231,7 @@ def test_loader_is_pure_and_rank_accum_equivalent(built, cls):
     vb = one.val_batches(2)
     assert len(vb) == 2 and torch.equal(vb[0][0], one.val_batches(2)[0][0])
     if cls == "shards":
-        assert vb[0][0][0, 32 - 1] != -1 and 1.0 < one.bytes_per_token < 10
+        assert 1.0 < one.bytes_per_token < 10
     # state: same geometry loads, another fingerprint or geometry is refused
     sd = one.state_dict()
     make(2, 4).load_state_dict(sd)

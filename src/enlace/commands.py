@@ -24,7 +24,7 @@ def _config_check(args: argparse.Namespace) -> int:
 
 def _hardware_check(args: argparse.Namespace) -> int:
     from .cli import load_cfg
-    from .hardware import check_device
+    from .runtime import check_device
 
     cfg = load_cfg(args, layers=("hardware",))
     info = check_device(cfg.hardware, cfg.files["hardware"])
