@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_finetune_common import make_folder, write_jsonl
+from helpers import make_folder, write_jsonl
 
 from enlace.cli import main
 from enlace.config.model import ModelConfig
