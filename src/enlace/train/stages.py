@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import Config, save_resolved
+from ..data.budget import check_budget
 from ..errors import EnlaceError
 from ..estimate import preflight
 from ..io import atomic_write_json, atomic_write_text
@@ -40,6 +42,8 @@ def _prepare(cfg: Config, run_dir: Path, fresh: bool) -> D.DistInfo:
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware profile"))
     # Memory preflight: a step that cannot fit fails now, with the micro-batch that does, not at step 1.
     preflight(cfg)
+    # Data budget: refuse a plan that would loop over the data more than data.max_epochs times.
+    print(check_budget(cfg, require_data=True).line(), file=sys.stderr)
     info = D.init_distributed(cfg.hardware.device, cfg.train.world_size)
     if info.is_main:
         if fresh and run_dir.exists():
