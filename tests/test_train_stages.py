@@ -11,6 +11,7 @@ from enlace.train.checkpoint import list_checkpoints
 from enlace.train.testing import synthetic_text
 
 ROOT = Path(__file__).resolve().parents[1]
+PROSE = "Mañana iremos al mercado con la abuela; después comeremos todos juntos en el patio.\n" * 3
 TINY = [
     "--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "model.seq_len=32",
     "--set", "model.ffn_multiple_of=16", "--set", "hardware.num_threads=1",
@@ -31,6 +32,9 @@ def project(tmp_path, monkeypatch):
     docs = [text[i : i + 1000] for i in range(0, len(text), 1000)]
     for split, part in (("train", docs[:-10]), ("val", docs[-10:])):
         (corpus / f"{split}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    prose = tmp_path / "assets" / "eval" / "prosa-es.txt"  # the prose yardstick eval.prose names
+    prose.parent.mkdir(parents=True)
+    prose.write_text(PROSE, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -82,6 +86,7 @@ def test_eval_and_generate_on_the_trained_run(project, capsys):
     # Byte-level model: one token per byte, so bits per byte is the loss in bits.
     assert m["step"] == 40 and abs(m["val_bpb"] - m["val_loss"] / 0.6931471805599453) < 1e-4
     assert m["generate_tokens_per_s"] > 0 and f"bits/byte {m['val_bpb']:.4f}" in out
+    assert m["prose_bytes"] == len(PROSE.encode("utf-8")) and f"{m['prose_bpb']:.4f}" in out
     samples = (project / "out/eval/samples.md").read_text()
     assert all(f"**{p}**" in samples for p in ("La ciudad de", "Había una vez un"))
     assert (project / "out/eval/loss.png").stat().st_size > 1000

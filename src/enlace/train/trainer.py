@@ -24,6 +24,7 @@ import torch
 
 from ..config.resolve import Config, _flatten, _hash
 from ..errors import CheckpointError, EnlaceError
+from ..eval.score import evaluate
 from ..hardware import autocast, sdpa_backend, setup_runtime
 from ..model import Llama
 from . import dist as D
@@ -164,18 +165,11 @@ def check_resume(cfg: Config, meta: dict[str, Any], fingerprint: str, world_size
 # ---- evaluation ---------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, cfg: Config, device: torch.device) -> float:
-    """Mean cross-entropy (nats/token, without z-loss) over fixed validation batches."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast(cfg.hardware), sdpa_backend(cfg.hardware):
-            total += model(x, y).ce.item()
-    model.train(was_training)
-    return total / max(len(batches), 1)
+@contextlib.contextmanager
+def precision(hw: Any):
+    """The forward's context, for validation as for training: autocast and the attention backend."""
+    with autocast(hw), sdpa_backend(hw):
+        yield
 
 
 # ---- signals ------------------------------------------------------------------------------------------
@@ -285,8 +279,14 @@ def train(
     accum = t.grad_accum_steps
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
     target = t.max_steps
-    val_batches = val_loader.val_batches(t.eval_batches) if info.is_main else []
-    bytes_per_token = float(getattr(val_loader, "bytes_per_token", 1.0))
+    # Validation: fixed windows spread over the whole val split, scored by the eval stage's own function.
+    val_windows = val_loader.val_windows(t.eval_batches * t.micro_batch_size) if info.is_main else None
+
+    def validate() -> dict[str, float | int]:
+        return evaluate(
+            raw_model, val_windows, batch_size=t.micro_batch_size, precision=lambda: precision(hw)
+        )
+
     end_loss = val_loss = val_bpb = tok_s = None
     interrupted = None
 
@@ -404,8 +404,8 @@ def train(
             bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s or 0:.0f}", refresh=False)
 
             if info.is_main and t.eval_every and step % t.eval_every == 0 and step != target:
-                v = evaluate(raw_model, val_batches, cfg, device)
-                log.append({"step": step, "val_loss": v, "val_bpb": v / math.log(2) / bytes_per_token})
+                v = validate()
+                log.append({"step": step, "val_loss": v["loss"], "val_bpb": v["bpb"]})
 
             stop_now = D.any_across(info, stop.signal is not None, device)
             if step % t.checkpoint.every == 0 or step == target or stop_now or step == stop_after:
@@ -418,9 +418,17 @@ def train(
     bar.close()
 
     if step == target and info.is_main:
-        val_loss = evaluate(raw_model, val_batches, cfg, device)
-        val_bpb = val_loss / math.log(2) / bytes_per_token
-        log.append({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
+        v = validate()
+        val_loss, val_bpb = v["loss"], v["bpb"]
+        log.append(
+            {
+                "step": step,
+                "val_loss": val_loss,
+                "val_bpb": val_bpb,
+                "val_tokens": v["tokens"],
+                "val_bytes": v["bytes"],
+            }
+        )
     D.barrier(info)
     return TrainResult(
         run_dir=run_dir,
