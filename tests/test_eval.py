@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from enlace.cli import main
 from enlace.config.data import TokenizerConfig
 from enlace.config.model import ModelConfig
 from enlace.data.loaders import ByteLoader, ShardLoader
@@ -144,7 +145,7 @@ def test_hugging_face_byte_level_bytes_are_exact(tmp_path):
     assert counter.lengths[0] == 0  # special tokens are no text
 
 
-def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkeypatch):
+def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkeypatch, capsys):
     text = synthetic_text(40_000).decode("utf-8", errors="ignore")
     docs = [text[i : i + 800] for i in range(0, len(text), 800)]
     write_corpus(tmp_path / "data" / "corpus", {"train": docs[:-8], "val": docs[-8:]})
@@ -165,3 +166,7 @@ def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkey
     assert (
         json.loads((tmp_path / "runs" / "eval" / "metrics.json").read_text())["prose_bpb"] == m["prose_bpb"]
     )
+    capsys.readouterr()
+    assert main(["report"]) == 0  # the table `make run` ends with
+    report = capsys.readouterr().out
+    assert f"{m['val_bpb']:.4f}" in report and f"{m['prose_bpb']:.4f}" in report and "smoke" in report
