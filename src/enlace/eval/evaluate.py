@@ -160,7 +160,7 @@ def read_prose(path: Path) -> str:
 
 
 def score_model_dir(model_dir: Path, cfg: Config, device: torch.device, prose: str | None) -> dict[str, Any]:
-    """val_* (our runs) and prose_* (any model) of one model folder: `enlace eval --model DIR`."""
+    """val_* (our runs) and prose_* (any model) of one model folder: `enlace eval --model-dir DIR`."""
     scorer = load_scorer(model_dir, cfg.hardware, device)
     metrics: dict[str, Any] = {"model": scorer.name, "parameters": scorer.model.num_parameters()}
     if scorer.config is not None:
@@ -207,6 +207,8 @@ def run_eval(
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware"))
     device = setup_runtime(cfg.hardware)
     scorer = load_scorer(run_dir, cfg.hardware, device)
+    if scorer.meta is None:
+        raise CheckpointError(f"{run_dir}: not one of our runs; score other models with --model-dir")
     model, ckpt, meta = scorer.model, Path(scorer.name), scorer.meta
     saved = meta["config"]
     for section in ("model", "data"):
