@@ -53,11 +53,13 @@ def main() -> int:
     clip = cumulative(stats, "clip_grad.py:clip_grad_norm_")
     checkpoint = cumulative(stats, "checkpoint.py:save_checkpoint")
     # One-time start-up: runtime switches (deterministic mode imports part of torch's compiler stack),
-    # model and optimizer construction, loaders.
+    # model and optimizer construction, the run identity and resume, loaders.
     setup = cumulative(
         stats,
-        "hardware.py:setup_runtime",
-        "trainer.py:build_model",
+        "runtime.py:setup_runtime",
+        "trainer.py:init_model",
+        "trainer.py:run_identity",
+        "trainer.py:resume",
         "optim.py:build_optimizer",
         "loaders.py:make_loader",
         "loaders.py:val_windows",

@@ -8,6 +8,7 @@ attention counted as if not causal. MFU is against the matmul peak measured in t
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -15,8 +16,12 @@ import torch
 
 from bench.common import alternate, line, matmul_peak_gflops, summary, write_result
 from enlace.config import load_config
+from enlace.config.hardware import HardwareConfig
+from enlace.estimate import train_flops_per_token
 from enlace.model import Llama
 from enlace.train.optim import build_optimizer
+from enlace.train.step import StepSettings, TrainState, make_scaler, train_step
+from enlace.train.trainer import lm_forward
 
 SHAPES = [
     # (model config, seq_len, micro-batch)
@@ -26,14 +31,8 @@ SHAPES = [
 ]
 
 
-def matmul_weights(cfg) -> int:
-    d, hd = cfg.d_model, cfg.head_dim
-    per_layer = d * hd * (2 * cfg.n_head + 2 * cfg.n_kv_head) + 3 * d * cfg.ffn_dim
-    return cfg.n_layer * per_layer + cfg.vocab_size * d
-
-
 def step_flops(cfg, batch: int, seq: int) -> float:
-    return 6 * matmul_weights(cfg) * batch * seq + 12 * cfg.n_layer * cfg.d_model * batch * seq**2
+    return train_flops_per_token(cfg, seq) * batch * seq
 
 
 def hf_model(cfg):
@@ -53,6 +52,18 @@ def hf_model(cfg):
         attn_implementation="sdpa",
     )
     return LlamaForCausalLM(hf_cfg)
+
+
+def enlace_step(model, raw, optimizer, x, y):
+    """The trainer's own step (enlace.train.step.train_step): fp32, one micro-batch, clip at 1."""
+    cpu = torch.device("cpu")
+    hw = HardwareConfig(name="bench", device="cpu")
+    state = TrainState(raw, optimizer, make_scaler(cpu, hw), cpu)
+    settings = StepSettings(accum=1, grad_clip=1.0, hardware=hw)
+    batch = (x, y)
+    forward = functools.partial(lm_forward, accum=1)
+    lr = optimizer.param_groups[0]["lr"]
+    return lambda: train_step(state, model, batch, lambda: batch, forward, lr, settings)
 
 
 def make_step(model, optimizer, x, y, hf: bool):
@@ -81,15 +92,15 @@ def bench_shape(
     peer = hf_model(cfg)
     peer.load_state_dict(ours.state_dict(), strict=False)  # same starting weights
     contenders = {
-        "enlace": make_step(ours, build_optimizer(ours, train_cfg.optimizer), x, y, hf=False),
+        "enlace": enlace_step(ours, ours, build_optimizer(ours, train_cfg.optimizer), x, y),
         "transformers": make_step(
             peer, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True
         ),
     }
     if compile_too:
         ours_c, peer_c = torch.compile(ours), torch.compile(peer)
-        contenders["enlace-compiled"] = make_step(
-            ours_c, build_optimizer(ours, train_cfg.optimizer), x, y, hf=False
+        contenders["enlace-compiled"] = enlace_step(
+            ours_c, ours, build_optimizer(ours, train_cfg.optimizer), x, y
         )
         contenders["transformers-compiled"] = make_step(
             peer_c, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True

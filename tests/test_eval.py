@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers import synthetic_text, tiny_config
 
 from enlace.cli import main
-from enlace.config.data import TokenizerConfig
+from enlace.config.data import DataConfig, TokenizerConfig
 from enlace.config.model import ModelConfig
+from enlace.data.corpus import build_corpus
 from enlace.data.loaders import ByteLoader, ShardLoader
 from enlace.data.shard import build_shards
 from enlace.data.tokenize import build_tokenizer
@@ -22,7 +24,6 @@ from enlace.eval.evaluate import run_eval, score_model_dir
 from enlace.eval.score import evaluate, sliding_windows, spread_starts
 from enlace.eval.token_bytes import TokenBytes
 from enlace.model import IGNORE_INDEX, Llama
-from enlace.train.testing import synthetic_text, tiny_config
 from enlace.train.trainer import train
 
 PROSE = "Él vio 🙂 a su abuela.\nLa niña comió pan con aceite, ¿verdad? Sí, y después durmió la siesta."
@@ -98,14 +99,18 @@ def sp_data(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sp")
     words = "la casa del abuelo tiene un jardín con árboles y flores que cuidamos cada día".split()
     rng = np.random.default_rng(0)
-    docs = [" ".join(rng.choice(words, 60)) + "." for _ in range(200)]
-    corpus = write_corpus(tmp / "data" / "corpus", {"train": docs[:150], "val": docs[150:]})
-    build_tokenizer(
-        TokenizerConfig(type="bpe", vocab_size=300, num_threads=1), corpus, tmp / "data" / "tokenizer"
+    src = tmp / "src"
+    src.mkdir()
+    for i in range(200):
+        (src / f"doc{i:03d}.txt").write_text(" ".join(rng.choice(words, 60)) + ".", encoding="utf-8")
+    data = DataConfig.model_validate(
+        {"name": "t", "val_fraction": 0.2, "sources": [{"name": "gen", "kind": "local", "path": str(src)}]}
     )
-    manifest = build_shards(
-        corpus, tmp / "data" / "tokenizer", tmp / "data" / "shards", "uint16", 300, 10_000, workers=1
-    )
+    corpus = tmp / "data" / "corpus"
+    build_corpus(data, "h", tmp / "raw", corpus, None, workers=1)
+    tok = tmp / "data" / "tokenizer"
+    build_tokenizer(TokenizerConfig(type="bpe", vocab_size=300, num_threads=1), corpus, tok)
+    manifest = build_shards(corpus, tok, tmp / "data" / "shards", "uint16", 300, 10_000, workers=1)
     return tmp, manifest
 
 

@@ -8,7 +8,6 @@ scores in full: the run, the byte-level smoke model and SmolLM2-135M-Instruct (o
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -23,11 +22,11 @@ from ..config import Config, ModelConfig
 from ..config.resolve import LAYERS
 from ..errors import CheckpointError, EnlaceError
 from ..generate import generate
-from ..hardware import autocast, check_device, sdpa_backend, setup_runtime
 from ..io import atomic_write_json
 from ..model import Llama
+from ..runtime import check_device, setup_runtime
 from ..text import SentencePieceCodec, codec_for, continuation
-from .score import evaluate, sliding_windows
+from .score import evaluate, precision, sliding_windows
 from .token_bytes import TokenBytes
 
 
@@ -35,7 +34,8 @@ def load_trained_model(
     run_dir: Path, device: torch.device | str = "cpu"
 ) -> tuple[Llama, dict[str, Any], Path]:
     """The newest complete checkpoint of a run, as an eval-mode model built from the config it saved."""
-    from ..train.checkpoint import latest_checkpoint, load_model_tensors
+    from ..train.checkpoint import latest_checkpoint
+    from ..train.step import load_model_tensors
 
     root = Path(run_dir) / "checkpoints"
     found = latest_checkpoint(root, device=device)
@@ -47,13 +47,6 @@ def load_trained_model(
     model = Llama(ModelConfig.model_validate(meta["config"]["model"]))
     load_model_tensors(model, tensors["model"])
     return model.to(device).eval(), meta, path
-
-
-@contextlib.contextmanager
-def precision(hw: Any):
-    """Forward context of the eval stage: autocast and attention backend of the selected hardware."""
-    with autocast(hw), sdpa_backend(hw):
-        yield
 
 
 @dataclass

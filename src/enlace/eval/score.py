@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ..model import IGNORE_INDEX
+from ..runtime import autocast, sdpa_backend
 from .token_bytes import TokenBytes
 
 
@@ -93,6 +94,13 @@ def sliding_windows(ids: list[int] | np.ndarray, context: int, stride: int, coun
         scored_from.append(done - start)
         done = end
     return _as_windows(rows, scored_from, counter)
+
+
+@contextlib.contextmanager
+def precision(hw: Any) -> Iterator[None]:
+    """The forward's context, in validation as in training: the hardware profile's autocast and attention."""
+    with autocast(hw), sdpa_backend(hw):
+        yield
 
 
 @torch.no_grad()
