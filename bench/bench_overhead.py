@@ -46,7 +46,7 @@ def main() -> int:
     stats = pstats.Stats(prof)
     total = cumulative(stats, "trainer.py:train")
     loader = cumulative(stats, "loaders.py:get_batch")
-    final_eval = cumulative(stats, "val.py:evaluate")
+    final_eval = cumulative(stats, "score.py:evaluate")
     # Forward calls inside the final evaluation are the eval's, not the training step's.
     forward = cumulative(stats, "module.py:_wrapped_call_impl") - final_eval
     model = forward + cumulative(stats, "_tensor.py:backward", "adamw.py:step")
@@ -62,7 +62,7 @@ def main() -> int:
         "trainer.py:resume",
         "optim.py:build_optimizer",
         "loaders.py:make_loader",
-        "loaders.py:val_batches",
+        "loaders.py:val_windows",
     )
     step_work = model + clip
     rest = total - step_work - loader - final_eval - checkpoint - setup
