@@ -106,7 +106,10 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from .chat import chat_repl, load_for_generation
 
+    from ..generate import decode_weights
+
     model, tok = load_for_generation(args.model, args.adapter)
+    decode_weights(model, args.weights)
     chat_repl(
         model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -166,4 +169,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--top-p", dest="top_p", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=256)
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "int8"),
+        help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
+    )
     p.set_defaults(handler=_chat)
