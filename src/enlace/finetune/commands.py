@@ -104,9 +104,8 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from .chat import chat_repl, load_for_generation
-
     from ..generate import decode_weights
+    from .chat import chat_repl, load_for_generation
 
     model, tok = load_for_generation(args.model, args.adapter)
     decode_weights(model, args.weights)
