@@ -18,7 +18,7 @@ from ..io import atomic_write_text
 from ..train.checkpoint import latest_checkpoint, load_optimizer_tensors, optimizer_tensors, save_checkpoint
 from .data import batch_indices, collate, load_dataset
 from .hf import load_hf_folder
-from .lora import inject_lora, lora_parameters, save_adapter
+from .lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
 from .tokenizer import HFTokenizer
 
@@ -105,6 +105,8 @@ def finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progr
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
     model, tok, data = prepare(cfg, device)
+    if hw.dtype == "bf16":
+        cast_frozen_base(model)  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
     rep = data.report()
     print(
         f"data: {rep['examples']} examples ({rep['assistant_tokens']} assistant tokens); dropped "
