@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         goal_row("greedy decode 64 tokens", "enlace bf16", "transformers fp32", ratio("enlace bf16", "transformers fp32"), ">=", 1.5),
         goal_row("greedy decode 64 tokens", "enlace bf16", "transformers bf16", ratio("enlace bf16", "transformers bf16"), ">=", 1.0),
-        goal_row("greedy decode 64 tokens", "enlace int8", "transformers bf16", ratio("enlace int8", "transformers bf16"), ">=", 1.0),
+        # Is int8 weight-only worth offering here? Only if torch's kernel beats the packed bf16 one.
+        goal_row("greedy decode 64 tokens", "enlace int8", "enlace bf16", ratio("enlace int8", "enlace bf16"), ">=", 1.0),
         goal_row("held-out bpb, bf16 weights (|gap|)", "enlace bf16", "enlace fp32", gap("bf16"), "<=", 0.5, "%",
                  f"{bpb['bf16']:.4f} vs {bpb['fp32']:.4f} bpb; greedy tokens changed {changed['enlace bf16']}/{NEW}"),
         goal_row("held-out bpb, int8 weights (|gap|)", "enlace int8", "enlace fp32", gap("int8"), "<=", 0.5, "%",

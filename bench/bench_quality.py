@@ -4,7 +4,7 @@ The real trainer (`enlace.train.trainer.train`) runs the default config twice, s
 seed; only the hardware profile differs. Reports each run's own validation bits per byte (evaluated in its
 own precision, as `make run` reports it) and the bf16 run's weights re-evaluated in fp32, so a gap can be
 told apart into training and evaluation precision. Goal: bf16 within 1% of fp32. Needs data/shards
-(`dvc repro shard`). BENCH_QUALITY_STEPS shortens both runs alike (a quick look, not the goal's figure).
+(`dvc repro shard`). BENCH_QUALITY_STEPS shortens both runs alike, the schedule scaled in proportion.
 """
 
 from __future__ import annotations
@@ -30,14 +30,26 @@ PROFILES = {"fp32": "cpu", "bf16": "cpu-bf16"}
 
 def main() -> int:
     steps = os.environ.get("BENCH_QUALITY_STEPS")
-    short = ["train.schedule.warmup_steps=1", "train.schedule.decay_steps=1", "train.eval_every=0"]
-    overrides = [f"train.max_steps={steps}", f"train.checkpoint.every={steps}", *short] if steps else []
+    overrides = []
+    if steps:
+        # A shorter run keeps the default schedule's proportions (warmup, WSD decay), for both precisions.
+        base = load_config("params.yaml").train
+        f = int(steps) / base.max_steps
+        overrides = [
+            f"train.max_steps={steps}",
+            f"train.schedule.warmup_steps={max(1, round(base.schedule.warmup_steps * f))}",
+            f"train.schedule.decay_steps={max(1, round(base.schedule.decay_steps * f))}",
+            f"train.checkpoint.every={steps}",
+            "train.eval_every=0",
+        ]
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="enlace-bench-quality-") as tmp:
         for precision, profile in PROFILES.items():
             cfg = load_config("params.yaml", select={"hardware": profile}, overrides=overrides)
             t0 = time.perf_counter()
             res = train(cfg, Path(tmp) / precision, progress=False)
+            if res.interrupted:
+                return res.exit_code
             results[precision] = {
                 "profile": profile,
                 "steps": res.step,
