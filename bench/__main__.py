@@ -24,6 +24,7 @@ BENCHMARKS = {
     "bench_lora": "lora",
     "bench_pretrain": "pretrain",
     "bench_quality": "quality",
+    "bench_lora_quality": "lora_quality",
 }
 
 
