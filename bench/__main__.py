@@ -28,7 +28,20 @@ BENCHMARKS = {
 }
 
 
+def table_of_results() -> str:
+    """The goal table from whatever bench/results/*.json hold (`python -m bench --table`)."""
+    rows = []
+    for name in BENCHMARKS.values():
+        path = RESULTS / f"{name}.json"
+        if path.exists():
+            rows += json.loads(path.read_text()).get("rows", [])
+    return format_table(rows)
+
+
 def main() -> int:
+    if sys.argv[1:] == ["--table"]:
+        print(table_of_results())
+        return 0
     only = sys.argv[1:] or list(BENCHMARKS)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ENLACE_NO_PROGRESS": "1"}
     finals: list[str] = []
