@@ -69,11 +69,6 @@ def resolve_cpu_dtype(flags: frozenset[str] | None = None) -> str:
 
 
 def _check_cpu(hw: HardwareConfig, source: str) -> None:
-    if hw.dtype == "fp16":
-        raise HardwareError(
-            f"{source}: hardware.dtype: fp16 has no native matmul on CPUs (it is emulated, slower than "
-            "fp32); use bf16 where the CPU has avx512_bf16 or AMX, else fp32"
-        )
     if hw.dtype == "bf16" and cpu_bf16_native() is None:
         cap = torch.backends.cpu.get_cpu_capability()
         has = [f for f in BF16_CPU_FLAGS if f in cpu_flags()]
