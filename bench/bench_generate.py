@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def bits_per_byte(model, ids: list[int], n_bytes: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
-    rounds = int((argv or sys.argv[1:] or ["3"])[0])
+    rounds = int((argv or sys.argv[1:] or [os.environ.get("BENCH_ROUNDS", "3")])[0])
     folder = import_smollm2(DEFAULT_OUT)
     ours: dict[str, torch.nn.Module] = {}
     for w in ("fp32", "bf16", "int8"):

@@ -10,6 +10,7 @@ never touches frozen weights' gradients. Goals: >= 1.3x PEFT fp32 and >= 1.0x PE
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -89,7 +90,7 @@ def peft_step(folder: Path, ids, labels, precision: str = "fp32"):
 
 
 def main(argv: list[str] | None = None) -> int:
-    rounds = int((argv or sys.argv[1:] or ["6"])[0])
+    rounds = int((argv or sys.argv[1:] or [os.environ.get("BENCH_ROUNDS", "6")])[0])
     folder = import_smollm2(DEFAULT_OUT)
     tok = HFTokenizer(folder)
     results, rows = {}, []
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             "peft fp32": peft_step(folder, ids, labels, "fp32"),
             "peft bf16 autocast": peft_step(folder, ids, labels, "bf16"),
         }
-        times = alternate(contenders, rounds, warmup=2)
+        times = alternate(contenders, rounds, warmup=1)
         stats = {k: summary(v) for k, v in times.items()}
         results[f"seq{T}"] = {"stats": stats, "labelled_tokens": n_lab}
         for peer, goal in (("peft fp32", 1.3), ("peft bf16 autocast", 1.0)):
