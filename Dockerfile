@@ -34,7 +34,10 @@ ENTRYPOINT ["tini", "-g", "--"]
 CMD ["bash"]
 
 FROM nvidia/cuda:13.0.1-base-ubuntu24.04@sha256:f8ef28f579ea42a44b415d2c5d46f788e6a9b395c6c83f2929416e1fc192c143 AS blackwell
-RUN apt-get update && apt-get install -y --no-install-recommends python3.12 python3.12-venv git tini groff-base \
+# The rtx5090 profile sets compile: true. torch.compile's Triton backend builds a small C launcher per kernel
+# at run time, with the system C compiler against Python.h: gcc and python3.12-dev are runtime needs here.
+RUN apt-get update && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev \
+    gcc libc6-dev git tini groff-base \
     && rm -rf /var/lib/apt/lists/*
 COPY docker/install.sh docker/requirements-cu130.lock /tmp/env/
 RUN sh /tmp/env/install.sh /tmp/env/requirements-cu130.lock https://download.pytorch.org/whl/cu130 "torch==2.13.0+cu130"

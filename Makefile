@@ -72,15 +72,18 @@ docker-pin:
 	    python3 -c 'import json,sys; print(json.load(sys.stdin)["digest"])'); \
 	  echo "$$target=$$tag@$$digest"; done
 
-# Regenerate the lock files with every transitive pin and sha256 hashes (needs PyPI and download.pytorch.org).
+# Regenerate the lock files with every transitive pin and its sha256 hashes (needs PyPI only). torch is
+# resolved too, so its pure-Python dependencies get locked, then torch and its CUDA stack (triton, nvidia-*,
+# cuda-*) are dropped from the output: install.sh takes those from the PyTorch index, pinned by version.
+# Each lock keeps its header comment.
 docker-lock: $(STAMP)
-	$(BIN)/python -m pip install -q uv
+	$(BIN)/python -m pip install -q uv==0.13.8
+	$(BIN)/uv pip compile --generate-hashes --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
+	  requirements.txt --no-header --no-emit-package torch -o /tmp/enlace-docker.lock
 	for t in cpu cu126 cu130; do \
-	  grep -v -E '^(torch==|#)' requirements.txt > /tmp/enlace-req.in; \
-	  $(BIN)/uv pip compile --generate-hashes --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
-	    /tmp/enlace-req.in --no-header -o /tmp/enlace-$$t.lock && \
-	  { head -3 docker/requirements-$$t.lock; cat /tmp/enlace-$$t.lock; } > docker/requirements-$$t.lock.new && \
-	  mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
+	  { sed -n '/^#/!q;p' docker/requirements-$$t.lock; \
+	    awk '/^#/{skip=0} /^[A-Za-z0-9]/{skip=($$0 ~ /^(torch|triton|nvidia-|cuda-)/)} !skip' /tmp/enlace-docker.lock; \
+	  } > docker/requirements-$$t.lock.new && mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

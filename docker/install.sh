@@ -1,19 +1,17 @@
 #!/bin/sh
-# Build the image's Python environment: torch from the PyTorch wheel index of this target's CUDA
-# (exact version with its local tag), then everything else from the target's lock file.
-# Usage: install.sh LOCKFILE TORCH_INDEX_URL TORCH_PIN
+# Build the image's Python environment: every package from the target's lock file, checked against its
+# sha256 hashes, then torch from the PyTorch wheel index of this target's CUDA (exact version with its
+# local tag). Usage: install.sh LOCKFILE TORCH_INDEX_URL TORCH_PIN
 set -eu
 lock="$1" index="$2" torch_pin="$3"
 python3 -m venv /opt/venv
-# torch brings its CUDA libraries (nvidia-* wheels) and triton from the same index; those are not hashed
-# here (download.pytorch.org was unreachable where the locks were written).
+# The lock holds the full transitive closure (including torch's pure-Python dependencies), so --no-deps
+# loses nothing and --require-hashes refuses any file whose hash is not in it.
+/opt/venv/bin/pip install --no-cache-dir --require-hashes --no-deps -r "$lock"
+# torch comes last: its pure-Python dependencies are already satisfied from the lock, so this adds only
+# torch and what it alone needs from its index (CUDA libraries, triton), pinned by version, not hashed
+# (the PyTorch index is not part of the lock).
 /opt/venv/bin/pip install --no-cache-dir --index-url "$index" "$torch_pin"
-# The lock pins every other package; --require-hashes once `make docker-lock` has added hashes.
-if grep -q -- '--hash=' "$lock"; then
-  /opt/venv/bin/pip install --no-cache-dir --require-hashes --no-deps -r "$lock"
-else
-  /opt/venv/bin/pip install --no-cache-dir -r "$lock"
-fi
 /opt/venv/bin/pip check
 # The package itself is mounted at /work at run time (PYTHONPATH=/work/src); DVC stages call `enlace`.
 printf '#!/bin/sh\nexec /opt/venv/bin/python -m enlace.cli "$@"\n' > /opt/venv/bin/enlace

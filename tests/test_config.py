@@ -1,10 +1,20 @@
 """Layered configs: every invalid config fails with status 2 and names its file and field."""
 
+import copy
+import types
+import typing
+from pathlib import Path
+
 import pytest
+import yaml
+from pydantic import BaseModel, ValidationError
 
 from enlace.cli import main
-from enlace.config import load_config, show
+from enlace.config import EvalConfig, load_config, show
+from enlace.config.resolve import LAYERS
 from enlace.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -154,3 +164,138 @@ def test_help_lists_the_commands(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "fetch -> tokenize -> shard -> smoke -> pretrain -> eval" in out and "config" in out
+
+
+# Hostile inputs (issue 12): each is one line on stderr, exit 2, no traceback, naming what and where.
+def check_one_line_error(capsys, args: list[str], *words: str) -> str:
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, (w, err)
+    return err
+
+
+def test_unknown_and_unread_keys_are_refused_by_finetune(capsys):
+    # finetune reads the hardware and finetune layers: a train override would be silently ignored.
+    check_one_line_error(capsys, ["finetune", "--set", "train.bogus=1"], "--set: train.bogus", "reads only")
+    check_one_line_error(capsys, ["finetune", "--set", "finetune.bogus=1"], "finetune.bogus: unknown key")
+    check_one_line_error(capsys, ["hardware", "check", "--set", "model.n_layer=2"], "model.n_layer")
+
+
+@pytest.mark.parametrize(
+    "override,field,words",
+    [
+        ("train.max_steps=true", "train.max_steps", "valid integer"),
+        ("train.optimizer.lr=true", "train.optimizer.lr", "valid number"),
+        ("model.n_layer=2.0", "model.n_layer", "valid integer"),
+        ("hardware.compile=1", "hardware.compile", "valid boolean"),
+        ("train.optimizer.betas=[true, 0.95]", "train.optimizer.betas.0", "valid number"),
+        ("train.optimizer.lr=.nan", "train.optimizer.lr", "finite number"),
+    ],
+)
+def test_booleans_and_numbers_never_coerce(capsys, override, field, words):
+    check_one_line_error(capsys, ["config", "check", "--set", override], f": {field}: ", words)
+
+
+def scalar_fields(schema: type[BaseModel], prefix: tuple[str, ...] = ()):
+    """(path, "number" | "bool") for every int/float/bool field of a config model, nested models included."""
+    for name, field in schema.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from scalar_fields(ann, (*prefix, name))
+            continue
+        todo, bases = [ann], set()
+        while todo:  # unwrap Optional/Union and Annotated (StrictInt is Annotated[int, Strict()])
+            t = todo.pop()
+            if typing.get_origin(t) in (typing.Union, types.UnionType, typing.Annotated):
+                todo.extend(
+                    typing.get_args(t)[:1] if typing.get_origin(t) is typing.Annotated else typing.get_args(t)
+                )
+            else:
+                bases.add(t)
+        bases.discard(type(None))
+        if bases == {bool}:
+            yield (*prefix, name), "bool"
+        elif bases and bases <= {int, float}:
+            yield (*prefix, name), "number"
+
+
+def test_numbers_and_booleans_are_strict_in_every_config_model():
+    """Each int/float field of every layer (and of params.yaml's eval section) refuses `true`, and each bool field refuses `1`, starting from a
+    shipped layer file (which itself validates)."""
+    checked = 0
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for layer, schema in [*LAYERS.items(), ("eval", EvalConfig)]:
+        if layer == "eval":  # params.yaml's own section
+            raw = params["eval"]
+        else:
+            shipped = sorted((ROOT / "configs" / layer).glob("*.yaml"))
+            assert shipped, layer
+            raw = yaml.safe_load(shipped[0].read_text())
+        schema.model_validate(raw)
+        for path, kind in scalar_fields(schema):
+            broken = copy.deepcopy(raw)
+            d = broken
+            for part in path[:-1]:
+                d = d.setdefault(part, {})
+            d[path[-1]] = 1 if kind == "bool" else True
+            with pytest.raises(ValidationError) as e:
+                schema.model_validate(broken)
+            types_at = {err["type"] for err in e.value.errors() if err["loc"][: len(path)] == path}
+            assert types_at & {"int_type", "float_type", "bool_type"}, (layer, path, e.value.errors())
+            checked += 1
+    assert checked > 80
+
+
+def test_scientific_notation_without_a_dot_is_a_float():
+    cfg = load_config("params.yaml", overrides=["train.optimizer.lr=3e-4", "train.optimizer.eps=1E-8"])
+    assert cfg.train.optimizer.lr == 3e-4 and cfg.train.optimizer.eps == 1e-8
+
+
+def test_unreadable_files_name_the_file(tmp_path, capsys):
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("name: Repœblica\n".encode("cp1252"))
+    check_one_line_error(capsys, ["config", "check", "--model", str(latin1)], str(latin1), "not UTF-8")
+    # A folder where a YAML file is meant: as a layer and as the params file.
+    check_one_line_error(
+        capsys, ["config", "check", "--model", "configs/model"], "configs/model", "is a folder"
+    )
+    check_one_line_error(capsys, ["config", "check", "--params", str(tmp_path)], str(tmp_path), "is a folder")
+    check_one_line_error(capsys, ["finetune", "--params", str(tmp_path)], "is a folder")
+    check_one_line_error(capsys, ["smoke", "--params", str(tmp_path)], "is a folder")  # reads its stage block
+
+
+def test_missing_params_file_is_reported_as_missing(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    for cmd in (["config", "check"], ["config", "show", "--stage", "smoke"], ["finetune"]):
+        err = check_one_line_error(
+            capsys, [*cmd, "--params", str(missing)], f"{missing}: params: file not found"
+        )
+        assert "no hardware config selected" not in err
+
+
+@pytest.mark.parametrize(
+    "text,line,quoted",
+    [
+        # The parser notices these one or more lines later; the message points at the mistake.
+        ("name: x\nmax_steps 3\nseed: 1\n", 2, "'max_steps 3'"),
+        ('name: "x\nmax_steps: 3\nseed: 1\n', 1, "'name: \"x'"),
+        ("name: x\nsources: [a, b\nseed: 1\n", 2, "'sources: [a, b'"),
+        ("optimizer:\n  lr: 1.0\n eps: 2.0\nseed: 1\n", 3, "'eps: 2.0'"),
+    ],
+)
+def test_yaml_syntax_error_shows_the_offending_line(tmp_path, capsys, text, line, quoted):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    check_one_line_error(
+        capsys, ["config", "check", "--train", str(bad)], f"not valid YAML at line {line}: {quoted}"
+    )
+
+
+def test_finetune_flag_errors_name_the_flag(capsys):
+    check_one_line_error(
+        capsys, ["finetune", "--max-len", "1"], "--max-len: finetune.max_len", "greater than 1"
+    )
+    check_one_line_error(capsys, ["finetune", "--targets", "wq"], "--targets: finetune.targets", "wq")
+    check_one_line_error(capsys, ["finetune", "--steps", "0"], "--steps: finetune.steps")

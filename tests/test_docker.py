@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
@@ -19,7 +21,10 @@ TARGETS = {
 }
 # Newest SM each wheel flavour has kernels for (PyTorch's release matrix): cu126 stops at sm_90.
 WHEEL_MAX_SM = {"cu126": (9, 0), "cu130": (12, 0)}
-GPU_SM = {"turing": (7, 5), "blackwell": (12, 0)}
+
+
+def profile(name: str) -> dict:
+    return yaml.safe_load((ROOT / "configs/hardware" / f"{name}.yaml").read_text())
 
 
 def pins(lines: list[str]) -> dict[str, str]:
@@ -66,10 +71,10 @@ def test_wheel_index_and_cuda_versions() -> None:
         assert f"requirements-{tag}.lock" in text
         if cuda:
             base_cuda = re.match(r"FROM nvidia/cuda:(\d+\.\d+)", text).group(1)
-            assert base_cuda == cuda == f"{tag[2:-1]}.{tag[-1]}", (name, base_cuda, tag)
-            assert GPU_SM[name] <= WHEEL_MAX_SM[tag], f"{tag} wheels have no kernels for sm_{GPU_SM[name]}"
-    # the trap the two targets exist for: a cu126 image on a 5090
-    assert not GPU_SM["blackwell"] <= WHEEL_MAX_SM["cu126"]
+            assert base_cuda == cuda, (name, base_cuda, tag)
+            # The wheel the Dockerfile installs must have kernels for the card its hardware profile names.
+            sm = tuple(profile(TARGETS[name][2])["min_compute_capability"])
+            assert sm <= WHEEL_MAX_SM[m.group(2)], f"{name}: {m.group(2)} wheels have no kernels for sm {sm}"
 
 
 def test_locks_agree_with_requirements() -> None:
@@ -82,6 +87,60 @@ def test_locks_agree_with_requirements() -> None:
                 assert lock.get(name) == version, (
                     f"requirements-{tag}.lock: {name} {lock.get(name)} != {version}"
                 )
+
+
+def test_locks_are_complete_and_hashed() -> None:
+    """install.sh installs each lock with --require-hashes --no-deps: every entry needs a hash, and torch's
+    own pure-Python dependencies must be in it (torch, installed after, then finds them satisfied)."""
+    install = (ROOT / "docker/install.sh").read_text()
+    assert "--require-hashes --no-deps" in install and "if grep" not in install
+    torch_deps = {
+        re.split(r"[ ;<>=!~\[]", r, maxsplit=1)[0].lower().replace("_", "-")
+        for r in importlib.metadata.requires("torch") or []
+        if "extra ==" not in r
+    }
+    for tag in ("cpu", "cu126", "cu130"):
+        text = (ROOT / f"docker/requirements-{tag}.lock").read_text()
+        entries: list[list[str]] = []  # one package: its pin line and the indented lines under it
+        for line in text.splitlines():
+            if re.match(r"[A-Za-z0-9]", line):
+                entries.append([line])
+            elif line.startswith(" ") and entries:
+                entries[-1].append(line)
+        locked = pins(text.splitlines())
+        assert len(locked) > 50 and len(entries) == len(locked), tag
+        for entry in entries:
+            assert any("--hash=sha256:" in x for x in entry), (
+                f"requirements-{tag}.lock: no hash for {entry[0]}"
+            )
+        missing = {d for d in torch_deps if not d.startswith(("nvidia-", "cuda-", "triton"))} - set(locked)
+        assert not missing, f"requirements-{tag}.lock lacks torch's dependencies {missing}"
+        assert not any(n.startswith(("nvidia-", "cuda-", "triton")) for n in locked), tag
+
+
+def apt_packages(stage_text: str) -> set[str]:
+    """Package names the stage's `apt-get install` lines name (comments excluded)."""
+    commands = re.sub(r"\\\n", " ", "\n".join(ln for ln in stage_text.splitlines() if not ln.startswith("#")))
+    return {
+        word
+        for m in re.finditer(r"apt-get install ([^&\n]*)", commands)
+        for word in m.group(1).split()
+        if not word.startswith("-")
+    }
+
+
+def test_compiling_profiles_get_a_compiler() -> None:
+    # torch.compile (Triton) builds C launchers at run time: a C compiler and Python headers must be there.
+    compiling = [name for name in stages() if profile(TARGETS[name][2]).get("compile")]
+    assert compiling, "no profile compiles: this test checks nothing"
+    for name in compiling:
+        packages = apt_packages(stages()[name])
+        assert {"gcc", "libc6-dev"} <= packages and any(
+            p.endswith("-dev") and "python" in p for p in packages
+        ), (
+            name,
+            packages,
+        )
 
 
 def test_runtime_setup() -> None:

@@ -9,7 +9,6 @@ import argparse
 import importlib
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from .errors import EnlaceError
 
@@ -48,16 +47,12 @@ def common_parser() -> argparse.ArgumentParser:
 
 def load_cfg(args: argparse.Namespace, layers=None, stage: str | None = None):
     """Resolve the config for a command; `stage` applies that stage's layer selection from params.yaml."""
-    import yaml
-
-    from .config import load_config
+    from .config import load_config, read_params
     from .config.resolve import PRETRAIN_LAYERS
 
     select: dict[str, str] = {}
     if stage:
-        params = Path(args.params)
-        stage_sel = (yaml.safe_load(params.read_text()) or {}).get(stage) if params.exists() else None
-        select.update(stage_sel or {})
+        select.update(read_params(args.params).get(stage) or {})
     select.update(
         {k: getattr(args, k, None) for k in ("hardware", "model", "train", "data") if getattr(args, k, None)}
     )

@@ -135,7 +135,10 @@ def setup_runtime(hw: HardwareConfig) -> torch.device:
     if hw.deterministic:
         # Required by cuBLAS for deterministic matmuls; harmless on CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+        # warn_only=False: an op without a deterministic kernel must stop a run that promises bit-exact
+        # reruns. With warn_only=True, flash and memory-efficient attention keep their non-deterministic
+        # backward and only warn once; with False they switch to their deterministic one.
+        torch.use_deterministic_algorithms(True)
     if hw.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True

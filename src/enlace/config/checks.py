@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # for annotations only: resolve imports this module, not the other way round
     from .resolve import Config
 
 DTYPE_MAX_VOCAB = {"uint16": 65536, "uint32": 2**32}

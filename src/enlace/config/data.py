@@ -2,7 +2,7 @@
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from .base import Strict
 
@@ -21,9 +21,9 @@ class _SourceBase(Strict):
     # Column holding the text, for parquet and jsonl sources.
     text_column: str = "text"
     # Upper bound on this source's share of the corpus characters (e.g. 0.3 for the 1909 Bible).
-    max_fraction: float | None = Field(default=None, gt=0, le=1)
+    max_fraction: StrictFloat | None = Field(default=None, gt=0, le=1)
     # A sampling weight: 2.0 repeats the source's documents twice in the training split.
-    weight: float = Field(default=1.0, gt=0)
+    weight: StrictFloat = Field(default=1.0, gt=0)
 
 
 class DebSource(_SourceBase):
@@ -39,8 +39,8 @@ class UrlSource(_SourceBase):
     # File name under data/raw/url/<name>/; null takes the last part of the URL path.
     filename: str | None = None
     sha256: str | None = None
-    timeout_s: float = Field(default=60.0, gt=0)
-    retries: int = Field(default=3, ge=0)
+    timeout_s: StrictFloat = Field(default=60.0, gt=0)
+    retries: StrictInt = Field(default=3, ge=0)
 
 
 class HfSource(_SourceBase):
@@ -52,8 +52,8 @@ class HfSource(_SourceBase):
     files: list[str]
     sha256: dict[str, str] = {}
     endpoint: str = "https://huggingface.co"
-    timeout_s: float = Field(default=60.0, gt=0)
-    retries: int = Field(default=3, ge=0)
+    timeout_s: StrictFloat = Field(default=60.0, gt=0)
+    retries: StrictInt = Field(default=3, ge=0)
 
 
 class LocalSource(_SourceBase):
@@ -65,40 +65,40 @@ Source = Annotated[DebSource | UrlSource | HfSource | LocalSource, Field(discrim
 
 
 class CleaningConfig(Strict):
-    min_words_per_line: int = Field(default=4, ge=0)
-    min_letter_fraction: float = Field(default=0.6, ge=0, le=1)
-    language_filter: bool = True
-    dedup: bool = True
-    min_doc_chars: int = Field(default=200, ge=0)
+    min_words_per_line: StrictInt = Field(default=4, ge=0)
+    min_letter_fraction: StrictFloat = Field(default=0.6, ge=0, le=1)
+    language_filter: StrictBool = True
+    dedup: StrictBool = True
+    min_doc_chars: StrictInt = Field(default=200, ge=0)
     # Longer documents are cut at paragraph boundaries: a whole manual as one document would put all of it
     # on one side of the train/val split.
-    max_doc_chars: int = Field(default=20000, gt=0)
+    max_doc_chars: StrictInt = Field(default=20000, gt=0)
 
 
 class TokenizerConfig(Strict):
     type: Literal["bpe", "unigram"] = "unigram"
-    vocab_size: int = Field(default=8192, gt=0)
-    character_coverage: float = Field(default=0.9995, gt=0, le=1)
+    vocab_size: StrictInt = Field(default=8192, gt=0)
+    character_coverage: StrictFloat = Field(default=0.9995, gt=0, le=1)
     # Sentences longer than this (bytes) are split before training, never silently skipped.
-    max_sentence_length: int = Field(default=4192, gt=0)
+    max_sentence_length: StrictInt = Field(default=4192, gt=0)
     # Characters of the training split sampled for tokenizer training (0: all).
-    input_sentence_size: int = Field(default=0, ge=0)
+    input_sentence_size: StrictInt = Field(default=0, ge=0)
     user_defined_symbols: list[str] = ["<|im_start|>", "<|im_end|>"]
-    split_digits: bool = True
+    split_digits: StrictBool = True
     # Fixed so that training is reproducible: the same input and thread count give the same model.
-    num_threads: int = Field(default=2, ge=1)
+    num_threads: StrictInt = Field(default=2, ge=1)
 
 
 class ShardConfig(Strict):
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
-    tokens_per_shard: int = Field(default=1 << 24, gt=0)
-    num_workers: int | None = Field(default=None, ge=1)  # null: all cores
+    tokens_per_shard: StrictInt = Field(default=1 << 24, gt=0)
+    num_workers: StrictInt | None = Field(default=None, ge=1)  # null: all cores
 
 
 class DataConfig(Strict):
     name: str
     sources: list[Source]
-    val_fraction: float = Field(default=0.02, gt=0, lt=1)
+    val_fraction: StrictFloat = Field(default=0.02, gt=0, lt=1)
     cleaning: CleaningConfig = CleaningConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     shard: ShardConfig = ShardConfig()

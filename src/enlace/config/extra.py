@@ -1,19 +1,19 @@
 """Small config sections that live in params.yaml rather than in a layer file."""
 
-from pydantic import Field
+from pydantic import Field, StrictFloat, StrictInt
 
 from .base import Strict
 
 
 class GenerationConfig(Strict):
-    max_new_tokens: int = Field(default=48, gt=0)
-    temperature: float = Field(default=0.8, ge=0)  # 0: greedy
-    top_k: int = Field(default=50, ge=0)  # 0: off
-    top_p: float = Field(default=0.95, gt=0, le=1)
-    seed: int = 0
+    max_new_tokens: StrictInt = Field(default=48, gt=0)
+    temperature: StrictFloat = Field(default=0.8, ge=0)  # 0: greedy
+    top_k: StrictInt = Field(default=50, ge=0)  # 0: off
+    top_p: StrictFloat = Field(default=0.95, gt=0, le=1)
+    seed: StrictInt = 0
 
 
 class EvalConfig(Strict):
-    batches: int = Field(default=16, gt=0)
+    batches: StrictInt = Field(default=16, gt=0)
     prompts: list[str] = ["La ciudad de", "Había una vez", "El sol sale por"]
     generation: GenerationConfig = GenerationConfig()

@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictFloat, StrictInt, field_validator
 
 from .base import Strict
 
@@ -10,11 +10,11 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class FinetuneGeneration(Strict):
-    max_new_tokens: int = Field(default=96, gt=0)
-    temperature: float = Field(default=0.0, ge=0)  # 0: greedy, so answers are comparable across runs
-    top_k: int = Field(default=0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int = 0
+    max_new_tokens: StrictInt = Field(default=96, gt=0)
+    temperature: StrictFloat = Field(default=0.0, ge=0)  # 0: greedy, so answers are comparable across runs
+    top_k: StrictInt = Field(default=0, ge=0)
+    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    seed: StrictInt = 0
 
 
 class FinetuneConfig(Strict):
@@ -24,24 +24,24 @@ class FinetuneConfig(Strict):
     val_data: str = "assets/instruct/es_familia_val.jsonl"
     format: Literal["dolly", "chat"] = "dolly"
     system_prompt: str | None = None  # null: the chat template's own default system message
-    steps: int = Field(default=80, gt=0)
-    micro_batch: int = Field(default=4, gt=0)
-    grad_accum: int = Field(default=1, gt=0)
-    lr: float = Field(default=1e-3, gt=0)
-    warmup: int = Field(default=10, ge=0)
-    final_lr_frac: float = Field(default=0.1, ge=0, le=1)  # cosine decay to this fraction of lr
-    weight_decay: float = Field(default=0.0, ge=0)
-    grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
-    max_len: int = Field(default=320, gt=1)
-    max_examples: int = Field(default=0, ge=0)  # 0: all
-    rank: int = Field(default=8, gt=0)
-    alpha: float = Field(default=16.0, gt=0)
-    dropout: float = Field(default=0.05, ge=0, lt=1)
+    steps: StrictInt = Field(default=80, gt=0)
+    micro_batch: StrictInt = Field(default=4, gt=0)
+    grad_accum: StrictInt = Field(default=1, gt=0)
+    lr: StrictFloat = Field(default=1e-3, gt=0)
+    warmup: StrictInt = Field(default=10, ge=0)
+    final_lr_frac: StrictFloat = Field(default=0.1, ge=0, le=1)  # cosine decay to this fraction of lr
+    weight_decay: StrictFloat = Field(default=0.0, ge=0)
+    grad_clip: StrictFloat = Field(default=1.0, ge=0)  # 0 disables clipping
+    max_len: StrictInt = Field(default=320, gt=1)
+    max_examples: StrictInt = Field(default=0, ge=0)  # 0: all
+    rank: StrictInt = Field(default=8, gt=0)
+    alpha: StrictFloat = Field(default=16.0, gt=0)
+    dropout: StrictFloat = Field(default=0.05, ge=0, lt=1)
     targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    seed: int = 0
+    seed: StrictInt = 0
     out: str = "runs/finetune"
-    checkpoint_every: int = Field(default=50, gt=0)
-    keep_checkpoints: int = Field(default=2, ge=1)
+    checkpoint_every: StrictInt = Field(default=50, gt=0)
+    keep_checkpoints: StrictInt = Field(default=2, ge=1)
     eval_prompts: list[str] = [
         "¿Qué puedo preparar de cena con huevos, patatas y cebolla?",
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",
@@ -65,12 +65,3 @@ class FinetuneConfig(Strict):
         if bad or not v:
             raise ValueError(f"unknown or empty LoRA targets {bad}; choose from {', '.join(TARGETS)}")
         return v
-
-
-def register() -> None:
-    from .resolve import register_layer
-
-    register_layer("finetune", FinetuneConfig)
-
-
-register()

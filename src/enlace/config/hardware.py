@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from .base import Strict
 
@@ -14,18 +14,18 @@ class HardwareConfig(Strict):
     # or AMX), else fp32. The resolved value is what the config, its hash and every checkpoint record.
     dtype: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
     # fp16 has too little range for gradients: it needs a loss scaler.
-    loss_scaler: bool = False
+    loss_scaler: StrictBool = False
     # The lowest compute capability the profile's kernels and dtype need, e.g. [7, 5] for Turing.
-    min_compute_capability: tuple[int, int] | None = None
+    min_compute_capability: tuple[StrictInt, StrictInt] | None = None
     # Device memory the profile plans for (GiB); the memory preflight checks configs against it.
-    memory_gib: float = Field(default=16.0, gt=0)
+    memory_gib: StrictFloat = Field(default=16.0, gt=0)
     # Attention backend for scaled_dot_product_attention; "auto" lets PyTorch choose.
     sdpa_backend: Literal["auto", "math", "efficient", "flash", "cudnn"] = "auto"
-    compile: bool = False
+    compile: StrictBool = False
     # Threads for intra-op parallelism on CPU; null keeps PyTorch's default (all cores).
-    num_threads: int | None = Field(default=None, ge=1)
+    num_threads: StrictInt | None = Field(default=None, ge=1)
     # Deterministic algorithms (bit-exact reruns); costs some speed on GPU.
-    deterministic: bool = True
+    deterministic: StrictBool = True
 
     @model_validator(mode="before")
     @classmethod

@@ -1,29 +1,29 @@
 """Model layer: the shape of the Llama-style decoder."""
 
-from pydantic import Field
+from pydantic import Field, StrictBool, StrictFloat, StrictInt
 
 from .base import Strict
 
 
 class ModelConfig(Strict):
     name: str
-    vocab_size: int = Field(gt=0)
-    n_layer: int = Field(gt=0)
-    n_head: int = Field(gt=0)
-    n_kv_head: int = Field(gt=0)
-    d_model: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
-    ffn_mult: float = Field(default=8 / 3, gt=0)
-    ffn_multiple_of: int = Field(default=64, gt=0)
+    vocab_size: StrictInt = Field(gt=0)
+    n_layer: StrictInt = Field(gt=0)
+    n_head: StrictInt = Field(gt=0)
+    n_kv_head: StrictInt = Field(gt=0)
+    d_model: StrictInt = Field(gt=0)
+    seq_len: StrictInt = Field(gt=0)
+    ffn_mult: StrictFloat = Field(default=8 / 3, gt=0)
+    ffn_multiple_of: StrictInt = Field(default=64, gt=0)
     # Imported checkpoints state their FFN width exactly; null derives it from ffn_mult.
-    ffn_hidden: int | None = Field(default=None, gt=0)
-    rope_theta: float = Field(default=10000.0, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
-    tie_embeddings: bool = True
-    qk_norm: bool = False
-    z_loss_weight: float = Field(default=0.0, ge=0)
-    dropout: float = Field(default=0.0, ge=0, lt=1)
-    init_std: float = Field(default=0.02, gt=0)
+    ffn_hidden: StrictInt | None = Field(default=None, gt=0)
+    rope_theta: StrictFloat = Field(default=10000.0, gt=0)
+    norm_eps: StrictFloat = Field(default=1e-5, gt=0)
+    tie_embeddings: StrictBool = True
+    qk_norm: StrictBool = False
+    z_loss_weight: StrictFloat = Field(default=0.0, ge=0)
+    dropout: StrictFloat = Field(default=0.0, ge=0, lt=1)
+    init_std: StrictFloat = Field(default=0.02, gt=0)
 
     @property
     def head_dim(self) -> int:

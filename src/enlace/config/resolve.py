@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,26 +17,25 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from ..errors import ConfigError
+from .checks import cross_layer_checks
 from .data import DataConfig
 from .extra import EvalConfig
+from .finetune import FinetuneConfig
 from .hardware import HardwareConfig
 from .model import ModelConfig
 from .train import TrainConfig
 
+# Every layer a params.yaml `config:` block can select: configs/<layer>/<name>.yaml.
 LAYERS: dict[str, type[BaseModel]] = {
     "hardware": HardwareConfig,
     "model": ModelConfig,
     "train": TrainConfig,
     "data": DataConfig,
+    "finetune": FinetuneConfig,
 }
 PRETRAIN_LAYERS = ("hardware", "model", "train", "data")
 DEFAULT_PARAMS = "params.yaml"
 CONFIG_DIR = "configs"
-
-
-def register_layer(name: str, schema: type[BaseModel]) -> None:
-    """Later issues add layers (e.g. finetune) without touching the resolver."""
-    LAYERS[name] = schema
 
 
 @dataclass(frozen=True)
@@ -69,22 +69,73 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML follows YAML 1.1, which reads `3e-4` (no dot) as a string; YAML 1.2, DVC's ruamel and every
+    user mean a float. Config numbers are strictly typed, so the string would be refused."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # safe: _Loader is a SafeLoader
+
+
+def _yaml_error(e: yaml.YAMLError, text: str) -> str:
+    """Where the mistake is, not only where the parser noticed it: an unclosed quote, bracket or key is
+    reported at the end of the construct, so point at the line that opened it and quote that line."""
+    problem = getattr(e, "problem", None) or str(e)
+    noticed = getattr(e, "problem_mark", None)
+    opened = getattr(e, "context_mark", None)
+    context = getattr(e, "context", None) or ""
+    # "while parsing a block mapping" names the enclosing mapping: the bad line is the one noticed.
+    mark = opened if opened is not None and "block" not in context else noticed
+    if mark is None:
+        return f"not valid YAML: {problem}"
+    lines = text.splitlines()
+    quoted = lines[mark.line].strip() if mark.line < len(lines) else ""
+    where = (
+        f"; noticed at line {noticed.line + 1}" if noticed is not None and noticed.line != mark.line else ""
+    )
+    return f"not valid YAML at line {mark.line + 1}: {quoted!r} ({problem}{where})"
+
+
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    """One YAML mapping from a file; every way it can be unreadable is a one-line ConfigError."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(str(path), what, "file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), what, "is a folder, expected a YAML file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            str(path), what, f"not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})"
+        ) from None
+    except OSError as e:
+        raise ConfigError(str(path), what, f"cannot read: {e.strerror or e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = parse_yaml(text)
     except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(str(path), what, f"not valid YAML{where}: {getattr(e, 'problem', e)}") from None
+        raise ConfigError(str(path), what, _yaml_error(e, text)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(str(path), what, f"expected a mapping of keys to values, got {type(data).__name__}")
     return data
+
+
+def read_params(params: str | Path = DEFAULT_PARAMS) -> dict[str, Any]:
+    """params.yaml as a dict. A missing file is an error when named explicitly; the default one may be
+    absent when every layer is selected on the command line."""
+    path = Path(params)
+    if str(params) == DEFAULT_PARAMS and not path.exists():
+        return {}
+    return _read_yaml(path, "params")
 
 
 def layer_path(layer: str, selector: str, root: Path) -> Path:
@@ -124,7 +175,7 @@ def parse_set(items: list[str] | None) -> dict[str, Any]:
             raise ConfigError("--set", item, "expected section.key=value")
         key, raw = item.split("=", 1)
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+            out[key.strip()] = parse_yaml(raw) if raw.strip() else ""
         except yaml.YAMLError:
             out[key.strip()] = raw
     return out
@@ -180,11 +231,16 @@ def load_config(
     select: dict[str, str] | None = None,
     overrides: list[str] | None = None,
     check_cross: bool = True,
+    flags: dict[str, tuple[str, Any]] | None = None,
 ) -> Config:
-    """Read params.yaml, the selected layer files and the overrides; validate; run cross-layer checks."""
+    """Read params.yaml, the selected layer files and the overrides; validate; run cross-layer checks.
+
+    `flags` are a command's own options, dotted key -> (flag name, value): applied after `--set`, and
+    errors name the flag the user typed.
+    """
     params_path = Path(params)
     root = params_path.parent
-    p = _read_yaml(params_path, "params") if params_path.exists() else {}
+    p = read_params(params)
     selected = dict(p.get("config") or {})
     selected.update({k: v for k, v in (select or {}).items() if v})
 
@@ -193,6 +249,8 @@ def load_config(
     files: dict[str, str] = {}
     for layer in layers:
         if layer not in selected:
+            if not params_path.exists():  # the real cause: no params file to select from
+                raise ConfigError(str(params_path), "params", "file not found")
             raise ConfigError(
                 str(params_path),
                 f"config.{layer}",
@@ -206,6 +264,7 @@ def load_config(
             provenance[f"{layer}.{k}"] = rel
 
     set_sources = [(f"{params_path.name} (set)", p.get("set") or {}), ("--set", parse_set(overrides))]
+    set_sources += [(flag, {key: value}) for key, (flag, value) in (flags or {}).items()]
     for source, sets in set_sources:
         if not isinstance(sets, dict):
             raise ConfigError(source, "set", "expected a mapping of section.key to value")
@@ -216,7 +275,11 @@ def load_config(
                     source, str(key), f"expected section.key with section one of: {', '.join(LAYERS)}"
                 )
             if layer not in layers:
-                continue  # an override for a layer this command does not read
+                if source == "--set":  # typed for this command, which would silently ignore it
+                    raise ConfigError(
+                        source, str(key), f"this command reads only the {', '.join(layers)} config"
+                    )
+                continue  # params.yaml's `set:` serves every command; this one does not read that layer
             _set_dotted(raw[layer], str(key).split(".", 1)[1], value)
             provenance[str(key)] = source
             for k in list(provenance):
@@ -240,8 +303,6 @@ def load_config(
 
     cfg = Config(layers=built, provenance=provenance, files=files, eval=ev)
     if check_cross:
-        from .checks import cross_layer_checks
-
         cross_layer_checks(cfg)
     return cfg
 

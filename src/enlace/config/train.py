@@ -2,56 +2,56 @@
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from .base import Strict
 
 
 class OptimizerConfig(Strict):
-    lr: float = Field(default=3e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
+    lr: StrictFloat = Field(default=3e-4, gt=0)
+    betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
+    eps: StrictFloat = Field(default=1e-8, gt=0)
+    weight_decay: StrictFloat = Field(default=0.1, ge=0)
     # Embeddings are looked up, not multiplied: decaying them mostly shrinks rare tokens.
-    decay_embeddings: bool = False
-    grad_clip: float = Field(default=1.0, ge=0)  # 0 disables clipping
+    decay_embeddings: StrictBool = False
+    grad_clip: StrictFloat = Field(default=1.0, ge=0)  # 0 disables clipping
 
 
 class ScheduleConfig(Strict):
     """Warmup-stable-decay: linear warmup, a flat plateau, then a decay to final_lr_frac * lr."""
 
-    warmup_steps: int = Field(default=100, ge=0)
-    decay_steps: int = Field(default=200, ge=0)
+    warmup_steps: StrictInt = Field(default=100, ge=0)
+    decay_steps: StrictInt = Field(default=200, ge=0)
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
-    final_lr_frac: float = Field(default=0.0, ge=0, le=1)
+    final_lr_frac: StrictFloat = Field(default=0.0, ge=0, le=1)
 
 
 class CheckpointConfig(Strict):
-    every: int = Field(default=100, gt=0)
-    keep_last: int = Field(default=2, ge=1)
+    every: StrictInt = Field(default=100, gt=0)
+    keep_last: StrictInt = Field(default=2, ge=1)
     # On a corrupted latest checkpoint: stop with an error (false) or resume from the previous one (true).
-    fallback_on_corrupt: bool = False
+    fallback_on_corrupt: StrictBool = False
 
 
 class TrainConfig(Strict):
     name: str
-    seed: int = 1337
+    seed: StrictInt = 1337
     # "bytes": the smoke stage reads raw UTF-8 bytes (vocab 256); "shards": token shards from `enlace shard`.
     loader: Literal["bytes", "shards"] = "shards"
-    max_steps: int = Field(gt=0)
-    micro_batch_size: int = Field(gt=0)
-    grad_accum_steps: int = Field(default=1, gt=0)
-    global_batch_size: int = Field(gt=0)
+    max_steps: StrictInt = Field(gt=0)
+    micro_batch_size: StrictInt = Field(gt=0)
+    grad_accum_steps: StrictInt = Field(default=1, gt=0)
+    global_batch_size: StrictInt = Field(gt=0)
     # Data-parallel processes the batch geometry is planned for (torchrun's WORLD_SIZE must match).
-    world_size: int = Field(default=1, gt=0)
+    world_size: StrictInt = Field(default=1, gt=0)
     optimizer: OptimizerConfig = OptimizerConfig()
     schedule: ScheduleConfig = ScheduleConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
-    log_every: int = Field(default=10, gt=0)
-    eval_every: int = Field(default=0, ge=0)  # 0: only at the end
-    eval_batches: int = Field(default=8, gt=0)
+    log_every: StrictInt = Field(default=10, gt=0)
+    eval_every: StrictInt = Field(default=0, ge=0)  # 0: only at the end
+    eval_batches: StrictInt = Field(default=8, gt=0)
     # Non-finite losses or gradients tolerated in a row before the run stops.
-    max_nonfinite_in_row: int = Field(default=5, gt=0)
+    max_nonfinite_in_row: StrictInt = Field(default=5, gt=0)
 
     @model_validator(mode="after")
     def _check_geometry(self) -> "TrainConfig":

@@ -43,26 +43,25 @@ def _common() -> argparse.ArgumentParser:
 
 
 def load_finetune_cfg(args: argparse.Namespace):
-    import yaml
+    from ..config import load_config, read_params
 
-    from ..config import load_config
-
-    overrides = list(args.set)
-    for attr, key in FLAGS.items():
-        value = getattr(args, attr, None)
-        if value is not None:
-            # JSON-quote strings so paths and lists survive the YAML parsing of --set values.
-            overrides.append(f"finetune.{key}={json.dumps(value) if isinstance(value, str) else value}")
+    # Each flag is an override whose errors name the flag (--max-len), not the key it sets.
+    flags = {
+        f"finetune.{key}": ("--" + attr.replace("_", "-"), getattr(args, attr))
+        for attr, key in FLAGS.items()
+        if getattr(args, attr, None) is not None
+    }
     select = {}
-    params = Path(args.params)
-    selected = ((yaml.safe_load(params.read_text()) or {}).get("config") or {}) if params.exists() else {}
+    selected = read_params(args.params).get("config") or {}
     if args.finetune_layer:
         select["finetune"] = args.finetune_layer
     elif "finetune" not in selected:
         select["finetune"] = DEFAULT_LAYER
     if args.hardware:
         select["hardware"] = args.hardware
-    return load_config(args.params, layers=("hardware", "finetune"), select=select, overrides=overrides)
+    return load_config(
+        args.params, layers=("hardware", "finetune"), select=select, overrides=args.set, flags=flags
+    )
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
