@@ -58,11 +58,11 @@ docker-cpu:
 
 docker-2060:
 	docker build --target turing -t enlace:turing .
-	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select,rtx2060,tiny-50m,tiny-50m-2060,es-debian-full) && dvc repro"
+	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select,rtx2060,tiny-50m,tiny-50m-2060,fineweb2-es) && dvc repro"
 
 docker-5090:
 	docker build --target blackwell -t enlace:blackwell .
-	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select,rtx5090,tiny-50m,tiny-50m-5090,es-debian-full) && dvc repro"
+	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select,rtx5090,tiny-50m,tiny-50m-5090,fineweb2-es) && dvc repro"
 
 # Re-resolve the base image digests (needs Docker and registry access); then update the Dockerfile's FROM
 # lines to match (tests/test_docker.py fails until they agree).

@@ -19,8 +19,9 @@ from safetensors.torch import load_file, save_file
 from bench.common import alternate, goal_row, line, summary, write_result
 from enlace.config import load_config
 from enlace.model import Llama
-from enlace.train.checkpoint import load_checkpoint, model_tensors, optimizer_tensors, save_checkpoint
-from enlace.train.optim import build_optimizer, param_names
+from enlace.train.checkpoint import load_checkpoint, save_checkpoint
+from enlace.train.optim import build_optimizer
+from enlace.train.step import model_tensors, optimizer_tensors
 
 
 def state(model_name: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -31,7 +32,7 @@ def state(model_name: str) -> dict[str, dict[str, torch.Tensor]]:
     x = torch.randint(0, cfg.model.vocab_size, (1, 33))
     model(x[:, :-1], targets=x[:, 1:]).loss.backward()
     opt.step()
-    flat, _ = optimizer_tensors(opt, param_names(opt))
+    flat, _ = optimizer_tensors(opt)
     return {"model": model_tensors(model), "optimizer": flat}
 
 

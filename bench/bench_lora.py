@@ -24,7 +24,7 @@ from enlace.finetune.hf import load_hf_folder
 from enlace.finetune.lora import cast_frozen_base, inject_lora, lora_parameters
 from enlace.finetune.loss import assistant_loss_sum
 from enlace.finetune.tokenizer import HFTokenizer
-from enlace.hardware import autocast
+from enlace.runtime import autocast
 
 SEQS = (128, 256)
 DATA = Path("assets/instruct/es_familia_train.jsonl")

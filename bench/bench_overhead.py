@@ -46,18 +46,20 @@ def main() -> int:
     stats = pstats.Stats(prof)
     total = cumulative(stats, "trainer.py:train")
     loader = cumulative(stats, "loaders.py:get_batch")
-    final_eval = cumulative(stats, "trainer.py:evaluate")
+    final_eval = cumulative(stats, "val.py:evaluate")
     # Forward calls inside the final evaluation are the eval's, not the training step's.
     forward = cumulative(stats, "module.py:_wrapped_call_impl") - final_eval
     model = forward + cumulative(stats, "_tensor.py:backward", "adamw.py:step")
     clip = cumulative(stats, "clip_grad.py:clip_grad_norm_")
     checkpoint = cumulative(stats, "checkpoint.py:save_checkpoint")
     # One-time start-up: runtime switches (deterministic mode imports part of torch's compiler stack),
-    # model and optimizer construction, loaders.
+    # model and optimizer construction, the run identity and resume, loaders.
     setup = cumulative(
         stats,
-        "hardware.py:setup_runtime",
-        "trainer.py:build_model",
+        "runtime.py:setup_runtime",
+        "trainer.py:init_model",
+        "trainer.py:run_identity",
+        "trainer.py:resume",
         "optim.py:build_optimizer",
         "loaders.py:make_loader",
         "loaders.py:val_batches",

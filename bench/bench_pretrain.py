@@ -12,6 +12,7 @@ of several shapes and repeats, before and after the steps); an MFU above 100% fa
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -30,10 +31,12 @@ from bench.common import (
 )
 from enlace.config import load_config
 from enlace.config.hardware import HardwareConfig
-from enlace.gpu_check import train_flops_per_token
-from enlace.hardware import autocast
+from enlace.estimate import train_flops_per_token
 from enlace.model import Llama
+from enlace.runtime import autocast
 from enlace.train.optim import build_optimizer
+from enlace.train.step import StepSettings, TrainState, make_scaler, train_step
+from enlace.train.trainer import lm_forward
 
 SHAPES = [
     # (model config, seq_len, micro-batch): the default run's shape and tiny-50m at seq 512
@@ -67,6 +70,17 @@ def hf_model(cfg):
     return LlamaForCausalLM(hf_cfg)
 
 
+def enlace_step(model, raw, optimizer, x, y, hw: HardwareConfig):
+    """The trainer's own step (enlace.train.step.train_step) under `hw`'s autocast: one micro-batch, clip at 1."""
+    cpu = torch.device("cpu")
+    state = TrainState(raw, optimizer, make_scaler(cpu, hw), cpu)
+    settings = StepSettings(accum=1, grad_clip=1.0, hardware=hw)
+    batch = (x, y)
+    forward = functools.partial(lm_forward, accum=1)
+    lr = optimizer.param_groups[0]["lr"]
+    return lambda: train_step(state, model, batch, lambda: batch, forward, lr, settings)
+
+
 def make_step(model, optimizer, x, y, hf: bool, hw: HardwareConfig):
     def step():
         optimizer.zero_grad(set_to_none=True)
@@ -98,13 +112,13 @@ def bench_shape(name: str, seq: int, batch: int, precision: str, rounds: int, co
         return torch.optim.AdamW(model.parameters(), lr=train_cfg.optimizer.lr)
 
     contenders = {
-        "enlace": make_step(ours, build_optimizer(ours, train_cfg.optimizer), x, y, False, hw),
+        "enlace": enlace_step(ours, ours, build_optimizer(ours, train_cfg.optimizer), x, y, hw),
         "transformers": make_step(peer, peer_opt(peer), x, y, True, hw),
     }
     if compile_too:
         ours_c, peer_c = torch.compile(ours), torch.compile(peer)
-        contenders["enlace-compiled"] = make_step(
-            ours_c, build_optimizer(ours, train_cfg.optimizer), x, y, False, hw
+        contenders["enlace-compiled"] = enlace_step(
+            ours_c, ours, build_optimizer(ours, train_cfg.optimizer), x, y, hw
         )
         contenders["transformers-compiled"] = make_step(peer_c, peer_opt(peer), x, y, True, hw)
     times = alternate(contenders, rounds=rounds, warmup=2 if compile_too else 1)

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from enlace.train.testing import checkpoint_digests, loaders_for, synthetic_text, tiny_config
 
-from enlace import hardware
+from enlace import runtime
 from enlace.cli import main
 from enlace.config import load_config
 from enlace.train.checkpoint import list_checkpoints, load_checkpoint
-from enlace.train.testing import checkpoint_digests, loaders_for, synthetic_text, tiny_config
 from enlace.train.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def cpu(monkeypatch):
     """Pose as a CPU with the given flags (PyTorch dispatching AVX-512), whatever this machine has."""
 
     def pose(flags: frozenset[str], capability: str = "AVX512") -> None:
-        monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(runtime, "cpu_flags", lambda: flags)
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
 
     return pose
@@ -36,17 +36,17 @@ def test_cpuinfo_flags_are_read(tmp_path):
     info.write_text(
         "processor\t: 0\nmodel name\t: X\nflags\t\t: fpu avx2 avx512_bf16 amx_tile\n\nprocessor\t: 1\n"
     )
-    assert hardware.cpu_flags.__wrapped__(info) == {"fpu", "avx2", "avx512_bf16", "amx_tile"}
-    assert hardware.cpu_flags.__wrapped__(tmp_path / "missing") == frozenset()
+    assert runtime.cpu_flags.__wrapped__(info) == {"fpu", "avx2", "avx512_bf16", "amx_tile"}
+    assert runtime.cpu_flags.__wrapped__(tmp_path / "missing") == frozenset()
 
 
 def test_native_bf16_needs_the_flag_and_avx512_kernels(cpu):
     cpu(NATIVE)
-    assert hardware.cpu_bf16_native() == "avx512_bf16"
-    assert hardware.cpu_bf16_native(frozenset({"amx_bf16", "amx_tile"})) == "amx_bf16"
-    assert hardware.cpu_bf16_native(NO_BF16) is None
+    assert runtime.cpu_bf16_native() == "avx512_bf16"
+    assert runtime.cpu_bf16_native(frozenset({"amx_bf16", "amx_tile"})) == "amx_bf16"
+    assert runtime.cpu_bf16_native(NO_BF16) is None
     cpu(NATIVE, capability="AVX2")  # e.g. ATEN_CPU_CAPABILITY=avx2: oneDNN's bf16 kernels are not used
-    assert hardware.cpu_bf16_native() is None
+    assert runtime.cpu_bf16_native() is None
 
 
 def test_hardware_check_refuses_emulated_bf16(cpu, capsys):

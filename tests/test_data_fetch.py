@@ -1,11 +1,9 @@
-"""Fetching: HTTP download (checksums, 404, resume), Hugging Face layout, lock file, .deb unpacking."""
+"""Fetching: HTTP download (checksums, 404, resume) and .deb unpacking. Hugging Face: test_data_hub.py."""
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import http.server
-import json
 import shutil
 import subprocess
 import threading
@@ -112,65 +110,6 @@ def test_interrupted_download_resumes_with_range(server, tmp_path):
     assert len(h.hits) == 2 and h.hits[0][1] is None and h.hits[1][1] == f"bytes={len(body) // 2}-"
 
 
-def _hf_config(
-    base: str, files: list[str], column: str = "text", sha: dict[str, str] | None = None
-) -> DataConfig:
-    return DataConfig.model_validate(
-        {
-            "name": "hf-test",
-            "val_fraction": 0.2,
-            "cleaning": {"min_doc_chars": 50},
-            "sources": [
-                {
-                    "name": "wiki",
-                    "kind": "hf",
-                    "repo": "org/wiki",
-                    "revision": "abc123",
-                    "files": files,
-                    "endpoint": base,
-                    "text_column": column,
-                    "sha256": sha or {},
-                    "extractor": "jsonl",
-                    "retries": 0,
-                    "timeout_s": 5,
-                }
-            ],
-        }
-    )
-
-
-def _jsonl_gz(rows: list[dict[str, str]]) -> bytes:
-    # mtime=0: the same rows always give the same bytes.
-    return gzip.compress("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode(), mtime=0)
-
-
-def test_hf_source_builds_corpus_and_records_lock(server, tmp_path):
-    base, h = server
-    rows = [{"id": str(i), "text": f"{SPANISH} Documento {_word(i)} de la colección."} for i in range(30)]
-    blob = _jsonl_gz(rows)
-    h.files["/datasets/org/wiki/resolve/abc123/data/part-0.jsonl.gz"] = blob
-    lock = tmp_path / "hf-test.lock.json"
-    data = _hf_config(base, ["data/part-0.jsonl.gz"])
-    m = build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", lock, workers=1)
-    assert m["total"]["docs"] == 30
-    assert json.loads(lock.read_text())["sources"]["wiki"]["data/part-0.jsonl.gz"] == _sha(blob)
-    # The lock now pins it: a changed file on the server is a checksum error naming both hashes.
-    shutil.rmtree(tmp_path / "raw")
-    h.files["/datasets/org/wiki/resolve/abc123/data/part-0.jsonl.gz"] = _jsonl_gz(rows[:5])
-    with pytest.raises(DataError, match=_sha(blob)):
-        build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", lock, workers=1)
-
-
-def test_wrong_text_column_names_column_and_existing_ones(server, tmp_path):
-    base, h = server
-    h.files["/datasets/org/wiki/resolve/abc123/x.jsonl.gz"] = _jsonl_gz([{"id": "1", "content": SPANISH}])
-    data = _hf_config(base, ["x.jsonl.gz"], column="text")
-    with pytest.raises(DataError) as e:
-        build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", None, workers=1)
-    msg = str(e.value)
-    assert "'text'" in msg and "content" in msg and "id" in msg
-
-
 @pytest.mark.skipif(shutil.which("dpkg-deb") is None, reason="needs dpkg-deb")
 def test_deb_source_unpacks_a_tiny_package(tmp_path):
     pkg = tmp_path / "pkg"
@@ -215,34 +154,3 @@ def test_deb_source_unpacks_a_tiny_package(tmp_path):
     bad = data.model_copy(update={"sources": [data.sources[0].model_copy(update={"sha256": "f" * 64})]})
     with pytest.raises(DataError, match="f" * 64):
         build_corpus(bad, "h", tmp_path / "raw", tmp_path / "corpus2", None, workers=1)
-
-
-def test_hf_parquet_source_reads_the_text_column(server, tmp_path):
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    base, h = server
-    table = pa.table(
-        {"id": [str(i) for i in range(12)], "text": [f"{SPANISH} Parte {_word(i)}." for i in range(12)]}
-    )
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    h.files["/datasets/org/wiki/resolve/abc123/es/train-0.parquet"] = buf.getvalue()
-    data = DataConfig.model_validate(
-        {
-            **_hf_config(base, ["es/train-0.parquet"]).model_dump(),
-            "sources": [
-                {**_hf_config(base, ["es/train-0.parquet"]).sources[0].model_dump(), "extractor": "parquet"}
-            ],
-        }
-    )
-    m = build_corpus(data, "h", tmp_path / "raw", tmp_path / "corpus", None, workers=1)
-    assert m["total"]["docs"] == 12
-    # A wrong column names the ones that exist.
-    bad = DataConfig.model_validate(
-        {**data.model_dump(), "sources": [{**data.sources[0].model_dump(), "text_column": "contenido"}]}
-    )
-    with pytest.raises(DataError, match="'contenido'.*id, text"):
-        build_corpus(bad, "h", tmp_path / "raw2", tmp_path / "corpus2", None, workers=1)

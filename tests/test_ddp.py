@@ -8,11 +8,7 @@ out bit-identical). A 2-process run resumed with 2 processes is bit-exact; with 
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
-from enlace.errors import CheckpointError
-from enlace.train.checkpoint import list_checkpoints, step_dirname
-from enlace.train.testing import (
+from helpers import (
     checkpoint_digests,
     config_from_dict,
     free_port,
@@ -22,6 +18,9 @@ from enlace.train.testing import (
     tiny_dict,
     write_config,
 )
+from safetensors.torch import load_file
+
+from enlace.train.checkpoint import list_checkpoints, step_dirname
 from enlace.train.trainer import train
 
 BASE = {"train.max_steps": 6, "train.micro_batch_size": 4, "train.global_batch_size": 8}
@@ -72,15 +71,18 @@ def test_two_process_resume_is_exact(runs, tmp_path):
     assert logged_losses(tmp_path / "run") == logged_losses(d / "ddp")
 
 
-def test_resume_at_another_world_size_is_refused(runs, tmp_path):
+def test_another_world_size_is_another_run(runs, tmp_path, capsys):
+    """Exact resume needs the same number of processes: a checkpoint of 2 ranks is not continued by 1."""
     d, _ = runs
     import shutil
 
     shutil.copytree(d / "ddp" / "checkpoints" / step_dirname(4), tmp_path / "checkpoints" / step_dirname(4))
     single = config_from_dict(tiny_dict({**BASE, "train.grad_accum_steps": 2}))
     tr, va = loaders_for(single)
-    with pytest.raises(CheckpointError, match="world size 2 and this run has world size 1"):
-        train(single, tmp_path, loader=tr, val_loader=va, progress=False)
+    r = train(single, tmp_path, loader=tr, val_loader=va, stop_after=1, progress=False)
+    assert r.resumed_from is None and r.step == 1
+    assert "world_size: 2 -> 1" in capsys.readouterr().out
+    assert (tmp_path / "previous").is_dir()
 
 
 def test_config_world_size_must_match_env(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from enlace import hardware
+from enlace import runtime
 from enlace.config.model import ModelConfig
 from enlace.generate import Int8Linear, PackedLinear, decode_weights, generate, resolve_decode_weights
 from enlace.model import Llama
@@ -49,9 +49,9 @@ def test_decode_weights_keep_the_logits(weights, tol):
 
 def test_auto_follows_native_bf16(monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert resolve_decode_weights("auto") == "bf16"
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2"}))
     assert resolve_decode_weights("auto") == "fp32"
     m = model()
     assert decode_weights(m, "auto") is m and next(m.parameters()).dtype == torch.float32

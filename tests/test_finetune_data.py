@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_finetune_common import dolly_rows, make_folder, write_jsonl
+from helpers import dolly_rows, make_folder, write_jsonl
 
 from enlace.errors import DataError
 from enlace.finetune.data import (

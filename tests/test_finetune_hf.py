@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from helpers import CHATML, SENTENCES, llamacpp_permute, make_folder
 from safetensors.torch import load_file, save_file
-from test_finetune_common import CHATML, SENTENCES, make_folder
 
 from enlace.errors import EnlaceError
 from enlace.finetune.gguf_import import unpermute_qk
@@ -133,13 +133,6 @@ def test_save_hf_folder_loads_in_transformers(tmp_path, qk_norm):
         back = load_hf_folder(folder)(torch.tensor([ids])).logits[0]
     assert torch.equal(ours, back)
     assert (ours - hf_logits(folder, ids)).abs().max().item() < 1e-4
-
-
-def llamacpp_permute(w: torch.Tensor, n_head: int, n_head_kv: int | None = None) -> torch.Tensor:
-    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute, written out independently."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def test_unpermute_inverts_llamacpp_qk_permutation():

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
+from helpers import make_folder
 from safetensors.torch import load_file, save_file
-from test_finetune_common import make_folder
 
 from enlace.errors import EnlaceError
 from enlace.finetune.hf import load_hf_folder

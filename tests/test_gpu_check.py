@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from enlace.config.model import ModelConfig
-from enlace.gpu_check import main, matmul_params, mfu, resume_check, train_check, train_flops_per_token
+from enlace.estimate import matmul_weights, train_flops_per_token
+from enlace.gpu_check import main, mfu, resume_check, train_check
 from enlace.model import Llama
 
 TINY = ModelConfig(
@@ -25,7 +26,7 @@ TINY = ModelConfig(
 def test_flops_formula() -> None:
     model = Llama(TINY)
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)  # tied embedding once
-    assert matmul_params(TINY) == matmul
+    assert matmul_weights(TINY) == matmul
     assert train_flops_per_token(TINY, 64) == 6 * matmul + 12 * 2 * 64 * 64
     # 1000 tokens/s of a 1 GFLOP-per-token model on a 10 TFLOP/s device is 10% MFU
     assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)

@@ -7,8 +7,8 @@ from enlace.config.hardware import HardwareConfig
 from enlace.config.model import ModelConfig
 from enlace.finetune.lora import cast_frozen_base, inject_lora, lora_parameters
 from enlace.finetune.loss import assistant_loss_sum
-from enlace.hardware import autocast
 from enlace.model import Llama
+from enlace.runtime import autocast
 
 CFG = ModelConfig(name="t", vocab_size=128, n_layer=2, n_head=4, n_kv_head=2, d_model=64, seq_len=32)
 BF16 = HardwareConfig(name="cpu-bf16", device="cpu", dtype="bf16")

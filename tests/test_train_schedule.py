@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_config
 
 from enlace.model import Llama
 from enlace.train.optim import build_optimizer, param_groups
 from enlace.train.schedule import lr_at, wsd_lr
-from enlace.train.testing import tiny_config
 
 KW = dict(max_steps=100, peak_lr=1.0, warmup_steps=10, decay_steps=20)
 

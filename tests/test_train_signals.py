@@ -1,13 +1,15 @@
 """A training process killed (SIGKILL) mid-run or mid-checkpoint, or stopped (SIGTERM), resumes exactly."""
 
+import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
-
-from enlace.train.checkpoint import KILL_DURING_SAVE_ENV, list_checkpoints, step_dirname
-from enlace.train.metrics import read_jsonl
-from enlace.train.testing import (
+import torch
+from helpers import (
     checkpoint_digests,
     config_from_dict,
     loaders_for,
@@ -16,6 +18,15 @@ from enlace.train.testing import (
     tiny_dict,
     write_config,
 )
+
+from enlace.train.checkpoint import (
+    clean_partial,
+    latest_checkpoint,
+    list_checkpoints,
+    save_checkpoint,
+    step_dirname,
+)
+from enlace.train.metrics import read_jsonl
 from enlace.train.trainer import train
 
 STEPS = {"train.max_steps": 40, "train.checkpoint.every": 5, "train.schedule.decay_steps": 10}
@@ -73,7 +84,7 @@ def test_sigkill_during_training(tmp_path, reference):
 def test_sigkill_during_checkpoint_write(tmp_path, reference):
     cfg_json = write_config(tiny_dict(STEPS), tmp_path / "cfg.json")
     run_dir = tmp_path / "run"
-    p = spawn_trainer(cfg_json, run_dir, env={KILL_DURING_SAVE_ENV: "15"})
+    p = spawn_trainer(cfg_json, run_dir, faults=["--kill-during-save", "15"])
     p.communicate(timeout=120)
     assert p.returncode == -signal.SIGKILL
     ck = run_dir / "checkpoints"
@@ -92,9 +103,30 @@ def test_sigterm_saves_and_exits(tmp_path, reference):
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGTERM, err  # documented: 143, the run is not finished
-    assert '"interrupted": "SIGTERM"' in out
+    assert '"interrupted": "SIGTERM"' in out and "; checkpoint saved to " in out
     last = list_checkpoints(run_dir / "checkpoints")[-1]
     logged = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert last.name == step_dirname(logged[-1]) and logged[-1] < 40  # saved at the step it stopped
     finish(cfg_json, run_dir)
     assert_matches(reference, run_dir)
+
+
+def test_sigkill_while_a_resave_swaps_folders(tmp_path):
+    """keep_last 1 and a re-save of the same step, killed after the old copy was moved aside and before the
+    new one was renamed in: the old copy is put back, so a checkpoint survives."""
+    root = tmp_path / "checkpoints"
+    save_checkpoint(root, 3, {"model": {"w": torch.ones(2)}}, {"version": "old"}, keep_last=1)
+    code = (
+        "import sys, torch; from pathlib import Path; import helpers; helpers.kill_at_swap(3); "
+        "from enlace.train.checkpoint import save_checkpoint; "
+        f"save_checkpoint(Path({str(root)!r}), 3, {{'model': {{'w': torch.zeros(2)}}}}, {{'version': 'new'}}, keep_last=1)"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert not (root / step_dirname(3)).exists() and (root / f".old-{step_dirname(3)}").is_dir()
+    clean_partial(root)  # what every run does before it looks for a checkpoint
+    path, tensors, meta = latest_checkpoint(root)
+    assert path.name == step_dirname(3) and meta["version"] == "old"
+    assert torch.equal(tensors["model"]["w"], torch.ones(2))
+    assert sorted(x.name for x in root.iterdir()) == [step_dirname(3)]

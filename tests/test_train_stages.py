@@ -5,10 +5,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import synthetic_text
 
 from enlace.cli import main
 from enlace.train.checkpoint import list_checkpoints
-from enlace.train.testing import synthetic_text
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -64,8 +64,13 @@ def test_pretrain_stage_with_byte_loader(project, capsys):
         p.name for p in (project / "out/p").iterdir()
     }
     assert main(args) == 0
-    assert main([*args, "--set", "model.d_model=64"]) == 2
-    assert "model.d_model: 32 -> 64" in capsys.readouterr().err
+    capsys.readouterr()
+    # A changed param trains a new run and keeps the old one aside.
+    assert main([*args, "--set", "model.d_model=64"]) == 0
+    out = capsys.readouterr().out
+    assert "starting fresh" in out and "model.d_model: 32 -> 64" in out
+    (old,) = (project / "out/p/previous").iterdir()
+    assert old.name in out and [c.name for c in list_checkpoints(old / "checkpoints")][-1] == "step-00000040"
     assert (
         main([*args, "--fresh", "--set", "train.max_steps=20", "--set", "train.schedule.decay_steps=5"]) == 0
     )

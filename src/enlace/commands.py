@@ -16,15 +16,17 @@ def _config_show(args: argparse.Namespace) -> int:
 
 def _config_check(args: argparse.Namespace) -> int:
     from .cli import load_cfg
+    from .data.budget import check_budget
 
     cfg = load_cfg(args, stage=args.stage)
+    print(check_budget(cfg).line())  # raises when the plan would loop over the data too often
     print(f"ok: {', '.join(f'{k}={v}' for k, v in cfg.files.items())} (hash {cfg.hash})")
     return 0
 
 
 def _hardware_check(args: argparse.Namespace) -> int:
     from .cli import load_cfg
-    from .hardware import check_device
+    from .runtime import check_device
 
     cfg = load_cfg(args, layers=("hardware",))
     info = check_device(cfg.hardware, cfg.files["hardware"])

@@ -10,9 +10,10 @@ What a step holds at its peak (forward + backward of one micro-batch, grads of e
 - under autocast, the fp16/bf16 copies of every matmul weight, which the backward pass keeps,
 - the activations autograd saves for backward, counted tensor by tensor for this model's code
   (src/enlace/model.py); the math attention backend also keeps the B*H*T*T attention probabilities,
-- the logits and the loss: B*T*V values, several of them in fp32 (cross-entropy's log-softmax, the z-loss's
-  copy of the logits, their gradients). At vocab 32768 this is the largest single item of tiny-50m.
-The optimizer step is a second, smaller peak: weights, grads, moments and foreach temporaries.
+- the fused head + loss (model.fused_lm_loss): one chunk of logits at a time (LOSS_CHUNK_ELEMENTS values)
+  and the gradients it produces for the hidden states and the head, never the full B*T*V logits.
+The optimizer step is a second, smaller peak: weights, grads, moments and AdamW's temporaries (foreach on
+CPU: one per parameter; fused on CUDA: none worth counting).
 
 The per-token counts were checked against saved-tensor hooks and against measured CPU peaks
 (tests/test_estimate.py); CUDA adds its context and allocator slack, covered by a fixed reserve and a
@@ -84,6 +85,16 @@ def matmul_weights(m: ModelConfig) -> int:
     d, hd = m.d_model, m.head_dim
     per_layer = d * m.n_head * hd * 2 + d * m.n_kv_head * hd * 2 + 3 * d * m.ffn_dim
     return m.n_layer * per_layer + m.vocab_size * d * (1 if m.tie_embeddings else 2)
+
+
+def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
+    """FLOPs of a training step per token: 6 * N + 12 * L * d * T, N = matmul_weights.
+
+    6N: forward (2N) and backward (4N) matmuls. 12*L*d*T: attention scores and the weighted sum, forward and
+    backward, counted non-causal (PaLM's MFU convention: comparable across implementations even though
+    causal kernels skip half the work).
+    """
+    return 6.0 * matmul_weights(m) + 12.0 * m.n_layer * m.d_model * seq_len
 
 
 def resolve_attention(hw: HardwareConfig) -> str:
@@ -174,12 +185,12 @@ def estimate_training_memory(
         model, hw.dtype, attention, micro_batch, t
     )
     parts["logits + loss"] = logits_loss_bytes(model, hw.dtype, micro_batch, t)
-    # foreach AdamW (the CUDA default) builds one temporary per parameter (sqrt of the second moment);
-    # the CPU's single-tensor loop needs one temporary of the largest parameter.
+    # train.optim.build_optimizer: foreach AdamW on CPU builds one temporary per parameter (the sqrt of the
+    # second moment); the fused CUDA kernel updates in place, bounded here by the largest parameter.
     if hw.device == "cuda":
-        step_temp = FP32 * n
-    else:
         step_temp = FP32 * max(model.vocab_size * model.d_model, model.d_model * model.ffn_dim)
+    else:
+        step_temp = FP32 * n
     step_peak = 4 * FP32 * n + step_temp
     peak = max(sum(parts.values()), step_peak)
     capacity = int(hw.memory_gib * GIB)

@@ -22,7 +22,7 @@ def resolve_decode_weights(weights: str, device: str | torch.device = "cpu") -> 
         raise ValueError(f"decode weights {weights!r}: choose from {', '.join(DECODE_WEIGHTS)}")
     if weights != "auto":
         return weights
-    from .hardware import cpu_bf16_native
+    from .runtime import cpu_bf16_native
 
     return "bf16" if torch.device(device).type == "cpu" and cpu_bf16_native() else "fp32"
 

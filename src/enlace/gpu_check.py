@@ -6,20 +6,24 @@ Checks, each recorded in the JSON even when it fails:
 - which scaled_dot_product_attention backends run tiny-50m's shapes (causal, GQA) and which one PyTorch picks;
 - fp16 + GradScaler training of tiny-50m on one repeated batch: finite losses that fall (it memorises);
 - bf16 training the same way where the GPU has native bf16 (compute capability >= 8.0);
+- the same through torch.compile (what `compile: true` profiles run; Triton needs a C compiler at run time);
 - tokens/s and MFU against a measured dense-matmul peak;
 - torch.cuda.max_memory_allocated against the memory preflight's estimate;
-- resume exactness: save after k steps, run k more, reload, rerun, and compare the weights bit for bit.
+- resume exactness: the trainer itself stopped after k steps and resumed writes the same checkpoint files
+  as a straight run of 2k steps.
+Training goes through the trainer's own step and checkpoint code (enlace.train.step, enlace.train.checkpoint).
 Without a CUDA device it prints why it skipped and exits 0, so `make gpu-check` is safe anywhere.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
+import functools
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,27 +37,15 @@ import torch  # noqa: E402
 
 from .config.hardware import HardwareConfig  # noqa: E402
 from .config.model import ModelConfig  # noqa: E402
+from .config.train import OptimizerConfig  # noqa: E402
+from .estimate import train_flops_per_token  # noqa: E402
 from .model import Llama, closed_form_num_parameters  # noqa: E402
+from .train.optim import build_optimizer  # noqa: E402
+from .train.step import StepSettings, TrainState, make_scaler, train_step  # noqa: E402
+from .train.trainer import lm_forward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in matmuls: all but the norm gains; a tied embedding counts once (lm_head)."""
-    d, hd = cfg.d_model, cfg.head_dim
-    norms = cfg.n_layer * (2 * d + (2 * hd if cfg.qk_norm else 0)) + d
-    return closed_form_num_parameters(cfg) - norms
-
-
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """FLOPs of a training step per token: 6 * N + 12 * L * d * T.
-
-    6N: forward (2N) and backward (4N) matmuls over the N matmul weights. 12*L*d*T: attention scores and
-    the weighted sum, forward and backward, counted non-causal (the convention of PaLM's MFU, which makes
-    numbers comparable across implementations even though causal kernels skip half the work).
-    """
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layer * cfg.d_model * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
@@ -145,7 +137,7 @@ def _batch(cfg: ModelConfig, batch: int, seq_len: int, seed: int, device: torch.
 
 
 class Stepper:
-    """Model, AdamW and (for fp16) a GradScaler: one optimisation step per call, like the trainer's."""
+    """The trainer's own step (enlace.train.step.train_step) on a model, AdamW and GradScaler (fp16)."""
 
     def __init__(
         self,
@@ -155,55 +147,37 @@ class Stepper:
         backend: str | None,
         lr: float = 1e-3,
         seed: int = 0,
+        compile: bool = False,
     ):
         torch.manual_seed(seed)
-        self.device, self.dtype, self.backend = device, dtype, backend
-        self.model = Llama(cfg).to(device)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == "fp16")
+        self.hw = HardwareConfig(
+            name=f"gpu-check-{dtype}",
+            device=device.type,
+            dtype=dtype,
+            loss_scaler=dtype == "fp16",
+            sdpa_backend=backend or "auto",
+        )
+        model = Llama(cfg).to(device)
+        opt = build_optimizer(model, OptimizerConfig(lr=lr, betas=(0.9, 0.95), weight_decay=0.1), device.type)
+        self.state = TrainState(model, opt, make_scaler(device, self.hw), device)
+        # What the trainer calls: the model itself, or its torch.compile wrapper (hardware.compile).
+        self.call = torch.compile(model) if compile else model
+        self.settings = StepSettings(accum=1, grad_clip=1.0, hardware=self.hw)
+        self.lr = lr
+
+    @property
+    def model(self) -> Llama:
+        return self.state.model
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler:
+        return self.state.scaler
 
     def step(self, tokens: torch.Tensor) -> float:
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.dtype)
-        with (
-            sdpa_context(self.backend),
-            torch.autocast(self.device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None),
-        ):
-            out = self.model(x, y)
-        # Backward outside autocast, as recommended; the scaler is a no-op when disabled.
-        with sdpa_context(self.backend):
-            self.scaler.scale(out.loss).backward()
-        self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.scaler.step(self.opt)
-        self.scaler.update()
-        # Keep gradient buffers allocated, as between accumulated micro-batches (what the estimate assumes).
-        self.opt.zero_grad(set_to_none=False)
-        return out.loss.item()
-
-    def state(self) -> bytes:
-        """Everything a checkpoint holds, serialised as the trainer would write it."""
-        buf = io.BytesIO()
-        torch.save(
-            {
-                "model": self.model.state_dict(),
-                "opt": self.opt.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "cpu_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
-            },
-            buf,
-        )
-        return buf.getvalue()
-
-    def load(self, blob: bytes) -> None:
-        s = torch.load(io.BytesIO(blob), map_location=self.device, weights_only=False)
-        self.model.load_state_dict(s["model"])
-        self.opt.load_state_dict(s["opt"])
-        self.scaler.load_state_dict(s["scaler"])
-        torch.set_rng_state(s["cpu_rng"])
-        if s["cuda_rng"] is not None:
-            torch.cuda.set_rng_state_all(s["cuda_rng"])
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        forward = functools.partial(lm_forward, accum=1)
+        out, _ = train_step(self.state, self.call, batch, lambda: batch, forward, self.lr, self.settings)
+        return out.loss
 
 
 def train_check(
@@ -215,12 +189,14 @@ def train_check(
     batch: int,
     seq_len: int,
     estimate: Callable[[int, int], int] | None = None,
+    compile: bool = False,
 ) -> dict[str, Any]:
-    """Train on one repeated batch: losses must be finite and fall; also speed and peak memory."""
+    """Train on one repeated batch: losses must be finite and fall; also speed and peak memory.
+    compile: through torch.compile, as profiles with hardware.compile train (needs Triton and a C compiler)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    st = Stepper(cfg, device, dtype, backend)
+    st = Stepper(cfg, device, dtype, backend, compile=compile)
     tokens = _batch(cfg, batch, seq_len, seed=1, device=device)
     losses: list[float] = []
     warmup = min(3, max(steps - 1, 0))
@@ -255,27 +231,89 @@ def train_check(
     return res
 
 
+class RandomTokens:
+    """Seeded random token windows with the trainer's loader API: the resume check needs no corpus."""
+
+    def __init__(self, vocab: int, seq_len: int, batch: int, seed: int = 0):
+        self.vocab, self.seq_len, self.batch, self.seed = vocab, seq_len, batch, seed
+        self.fingerprint = f"random-tokens-{vocab}-{seed}"
+        self.bytes_per_token = 1.0
+
+    def _rows(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(key)
+        t = torch.randint(0, self.vocab, (self.batch, self.seq_len + 1), generator=g)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+    def get_batch(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(self.seed * 1_000_003 + step)
+
+    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self._rows(-1 - i) for i in range(n)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        pass  # the batches are a pure function of the step
+
+
 def resume_check(
     cfg: ModelConfig, device: torch.device, dtype: str, backend: str | None, k: int, batch: int, seq_len: int
 ) -> dict[str, Any]:
-    """Save after k steps, run k more; reload the save into a fresh run, rerun those k; compare bit for bit."""
+    """The trainer itself (enlace.train.trainer.train) on this device: a run stopped after k steps and resumed
+    must write the same final checkpoint, byte for byte, as a run of 2k steps without a stop."""
+    from .config.resolve import LAYERS, Config
+    from .train.checkpoint import list_checkpoints
+    from .train.trainer import train
+
+    hw = HardwareConfig(
+        name=f"gpu-check-{dtype}",
+        device=device.type,
+        dtype=dtype,
+        loss_scaler=dtype == "fp16",
+        sdpa_backend=backend or "auto",
+        deterministic=True,
+    )
+    t = {
+        "name": "gpu-check", "max_steps": 2 * k, "micro_batch_size": batch, "global_batch_size": batch,
+        "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1, "decay_steps": k},
+        "checkpoint": {"every": k, "keep_last": 2}, "log_every": 1, "eval_batches": 1,
+    }  # fmt: skip
+    run_cfg = Config(
+        layers={
+            "hardware": hw,
+            "model": cfg.model_copy(update={"seq_len": seq_len}),
+            "train": LAYERS["train"].model_validate(t),
+            "data": LAYERS["data"].model_validate({"name": "random-tokens", "sources": []}),
+        },
+        provenance={},
+        files={},
+    )
     previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
     try:
-        data = [_batch(cfg, batch, seq_len, seed=100 + i, device=device) for i in range(2 * k)]
-        a = Stepper(cfg, device, dtype, backend)
-        for i in range(k):
-            a.step(data[i])
-        blob = a.state()
-        for i in range(k, 2 * k):
-            a.step(data[i])
-        b = Stepper(cfg, device, dtype, backend, seed=12345)  # different init: the load must overwrite it
-        b.load(blob)
-        for i in range(k, 2 * k):
-            b.step(data[i])
-        pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
-        differing = [n for n in pa if not torch.equal(pa[n], pb[n])]
-        return {"ok": not differing, "steps": k, "differing_parameters": differing[:10], "dtype": dtype}
+        with tempfile.TemporaryDirectory() as tmp:
+            finals = []
+            for run, stops in (("straight", [None]), ("resumed", [k, None])):
+                for stop in stops:
+                    data = RandomTokens(cfg.vocab_size, seq_len, batch)
+                    train(
+                        run_cfg,
+                        Path(tmp) / run,
+                        loader=data,
+                        val_loader=data,
+                        stop_after=stop,
+                        progress=False,
+                    )
+                finals.append(list_checkpoints(Path(tmp) / run / "checkpoints")[-1])
+            a, b = finals
+            differing = [f.name for f in sorted(a.iterdir()) if f.read_bytes() != (b / f.name).read_bytes()]
+        return {
+            "ok": not differing,
+            "steps": 2 * k,
+            "resumed_at": k,
+            "differing_files": differing,
+            "dtype": dtype,
+        }
     finally:
         torch.use_deterministic_algorithms(previous)
 
@@ -376,6 +414,12 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
         )
     else:
         checks["train_bf16"] = {"ok": None, "skipped": f"sm_{cc[0]}{cc[1]} has no native bf16 (needs sm_80+)"}
+    compiled_dtype = "bf16" if native_bf16 else "fp16"
+    _guard(
+        checks,
+        "train_compiled",
+        lambda: train_check(cfg, device, compiled_dtype, None, args.steps, args.batch, seq_len, compile=True),
+    )
     for name in ("train_fp16", "train_bf16"):
         r = checks.get(name, {})
         dt = "fp16" if name == "train_fp16" else "bf16"

@@ -2,6 +2,10 @@
 
 Atomic means: write to a temporary sibling, fsync, rename over the final name, fsync the folder. A reader
 (or a resumed run) then sees either the old file or the new one, never half of one.
+
+Folders cannot be renamed over a non-empty folder, so replacing one moves the old copy aside first, renames
+the new one in, and only then deletes the old copy: at every instant one complete copy exists under a known
+name, and `restore_aside` puts the old copy back after a crash between the two renames.
 """
 
 from __future__ import annotations
@@ -9,11 +13,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 1 << 20
 
@@ -68,6 +77,72 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_text(path, canonical_json(obj))
+
+
+def write_safetensors(
+    path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.chmod(tmp, 0o644)  # safetensors creates 0600 files; the folder is meant to be shared
+    fsync_file(tmp)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def aside_name(final: Path) -> Path:
+    """Where replace_dir keeps the old copy of `final` while the new one is renamed in."""
+    return final.with_name(f".old-{final.name}")
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete folder `tmp` to `final`; an existing `final` is moved aside first, then deleted."""
+    tmp, final = Path(tmp), Path(final)
+    old = aside_name(final)
+    if old.exists():
+        shutil.rmtree(old)  # a leftover whose `final` is in place (restore_aside handles the other case)
+    if final.exists():
+        os.replace(final, old)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+
+
+def restore_aside(final: Path) -> bool:
+    """After a crash inside replace_dir: put the old copy back when `final` is missing. True if it did."""
+    final = Path(final)
+    old = aside_name(final)
+    if old.is_dir() and not final.exists():
+        os.replace(old, final)
+        fsync_dir(final.parent)
+        return True
+    return False
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder to fill; on success it replaces `final` (see replace_dir)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    restore_aside(final)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(tmp)
+    replace_dir(tmp, final)
 
 
 def iter_jsonl(path: Path, opener: Any = open) -> Iterator[tuple[int, Any]]:

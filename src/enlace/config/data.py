@@ -44,14 +44,24 @@ class UrlSource(_SourceBase):
 
 
 class HfSource(_SourceBase):
-    """Files of a Hugging Face dataset repo at a pinned revision (a `url` source underneath)."""
+    """Files of a Hugging Face dataset repo, fetched with huggingface_hub (which honours HF_ENDPOINT).
+
+    `revision` is a commit sha or a branch such as `main`; a branch is resolved to its commit on the first
+    fetch and the commit, every file's size and sha256 go into the lock file. Later fetches use and verify
+    the locked commit.
+    """
 
     kind: Literal["hf"]
     repo: str
-    revision: str
+    revision: str = "main"
+    # Glob patterns of repo paths (e.g. "20231101.es/*.parquet"), matched against the repo's file list.
     files: list[str]
+    # Take only the first N matching files (sorted by path): bounds the download.
+    max_files: StrictInt | None = Field(default=None, ge=1)
+    # Optional pins of your own; without them the lock file records what the first fetch saw.
     sha256: dict[str, str] = {}
-    endpoint: str = "https://huggingface.co"
+    # null: HF_ENDPOINT, else https://huggingface.co.
+    endpoint: str | None = None
     timeout_s: StrictFloat = Field(default=60.0, gt=0)
     retries: StrictInt = Field(default=3, ge=0)
 
@@ -68,7 +78,13 @@ class CleaningConfig(Strict):
     min_words_per_line: StrictInt = Field(default=4, ge=0)
     min_letter_fraction: StrictFloat = Field(default=0.6, ge=0, le=1)
     language_filter: StrictBool = True
-    dedup: StrictBool = True
+    # How a line's language is decided: "stopwords" (Spanish vs English function words; fast) or "lingua"
+    # (lingua-language-detector among es/en/pt/fr/it/ca; ~28x slower, and also rejects other Romance
+    # languages). Measured on a labelled sample: bench/bench_langid.py, README "Language ID".
+    language_id: Literal["stopwords", "lingua"] = "stopwords"
+    dedup: StrictBool = True  # exact and normalized duplicates (hashes kept, not texts)
+    # Near duplicates by MinHash (datatrove's disk-based signature/bucket/cluster/filter stages).
+    near_dedup: StrictBool = True
     min_doc_chars: StrictInt = Field(default=200, ge=0)
     # Longer documents are cut at paragraph boundaries: a whole manual as one document would put all of it
     # on one side of the train/val split.
@@ -81,8 +97,10 @@ class TokenizerConfig(Strict):
     character_coverage: StrictFloat = Field(default=0.9995, gt=0, le=1)
     # Sentences longer than this (bytes) are split before training, never silently skipped.
     max_sentence_length: StrictInt = Field(default=4192, gt=0)
-    # Characters of the training split sampled for tokenizer training (0: all).
+    # Sentences (lines) of the training split that sentencepiece samples for training, with a seeded
+    # shuffle; 0 takes every sentence (only sensible for small corpora: it holds them all in memory).
     input_sentence_size: StrictInt = Field(default=0, ge=0)
+    seed: StrictInt = 0
     user_defined_symbols: list[str] = ["<|im_start|>", "<|im_end|>"]
     split_digits: StrictBool = True
     # Fixed so that training is reproducible: the same input and thread count give the same model.
@@ -95,6 +113,19 @@ class ShardConfig(Strict):
     num_workers: StrictInt | None = Field(default=None, ge=1)  # null: all cores
 
 
+class ExecutorConfig(Strict):
+    """Where the data stages run: datatrove's executors, the same pipeline code for each."""
+
+    kind: Literal["local", "slurm", "ray"] = "local"
+    # Work split into this many tasks (the outputs do not depend on it); null: one per core.
+    tasks: StrictInt | None = Field(default=None, ge=1)
+    # Tasks run at once (local); null: min(tasks, cores).
+    workers: StrictInt | None = Field(default=None, ge=1)
+    logging_dir: str = "data/logs"
+    # slurm: passed to datatrove's SlurmPipelineExecutor (partition, time, cpus_per_task, mem_per_cpu_gb...).
+    slurm: dict[str, str | StrictInt | StrictFloat] = {}
+
+
 class DataConfig(Strict):
     name: str
     sources: list[Source]
@@ -102,6 +133,11 @@ class DataConfig(Strict):
     cleaning: CleaningConfig = CleaningConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     shard: ShardConfig = ShardConfig()
+    executor: ExecutorConfig = ExecutorConfig()
+    # Data budget: training may pass over the training tokens at most this many times.
+    max_epochs: StrictFloat = Field(default=4.0, gt=0)
+    # Rough corpus size in tokens, for the budget check before the corpus exists (null: unknown).
+    estimated_tokens: StrictInt | None = Field(default=None, gt=0)
 
     @property
     def shard_dtype(self) -> str:

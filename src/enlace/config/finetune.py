@@ -42,6 +42,10 @@ class FinetuneConfig(Strict):
     out: str = "runs/finetune"
     checkpoint_every: StrictInt = Field(default=50, gt=0)
     keep_checkpoints: StrictInt = Field(default=2, ge=1)
+    # Changed settings, data or code: "move" keeps the old run under <out>/previous/<identity>/.
+    on_identity_change: Literal["move", "delete"] = "move"
+    # Non-finite losses or gradients tolerated in a row before the run stops.
+    max_nonfinite_in_row: StrictInt = Field(default=5, gt=0)
     eval_prompts: list[str] = [
         "¿Qué puedo preparar de cena con huevos, patatas y cebolla?",
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",

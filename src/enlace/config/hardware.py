@@ -33,7 +33,7 @@ class HardwareConfig(Strict):
         if isinstance(data, dict) and data.get("dtype") == "auto":
             if data.get("device") != "cpu":
                 raise ValueError("dtype: auto is for device cpu; a GPU profile names its dtype")
-            from ..hardware import resolve_cpu_dtype  # detection lives beside the device checks
+            from ..runtime import resolve_cpu_dtype  # detection lives beside the device checks
 
             data = {**data, "dtype": resolve_cpu_dtype()}
         return data

@@ -57,14 +57,14 @@ class Config:
     def section_hash(self, *names: str) -> str:
         """Hash of some layers only: resume compares model/data/optimizer hashes separately."""
         d = self.to_dict()
-        return _hash({n: d[n] for n in names if n in d})
+        return stable_hash({n: d[n] for n in names if n in d})
 
     @property
     def hash(self) -> str:
-        return _hash(self.to_dict())
+        return stable_hash(self.to_dict())
 
 
-def _hash(obj: Any) -> str:
+def stable_hash(obj: Any) -> str:
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -146,18 +146,18 @@ def layer_path(layer: str, selector: str, root: Path) -> Path:
     return root / CONFIG_DIR / layer / f"{selector}.yaml"
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out
 
 
-def _set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(d: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     for p in parts[:-1]:
         nxt = d.get(p)
@@ -260,7 +260,7 @@ def load_config(
         rel = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
         files[layer] = rel
         raw[layer] = _read_yaml(path, layer)
-        for k in _flatten(raw[layer]):
+        for k in flatten(raw[layer]):
             provenance[f"{layer}.{k}"] = rel
 
     set_sources = [(f"{params_path.name} (set)", p.get("set") or {}), ("--set", parse_set(overrides))]
@@ -280,7 +280,7 @@ def load_config(
                         source, str(key), f"this command reads only the {', '.join(layers)} config"
                     )
                 continue  # params.yaml's `set:` serves every command; this one does not read that layer
-            _set_dotted(raw[layer], str(key).split(".", 1)[1], value)
+            set_dotted(raw[layer], str(key).split(".", 1)[1], value)
             provenance[str(key)] = source
             for k in list(provenance):
                 if k.startswith(f"{key}.") and provenance[k] != source:
@@ -292,7 +292,7 @@ def load_config(
             built[layer] = LAYERS[layer].model_validate(raw[layer])
         except ValidationError as e:
             raise _validation_error(e, layer, provenance, files[layer]) from None
-        for k in _flatten(built[layer].model_dump(mode="json")):
+        for k in flatten(built[layer].model_dump(mode="json")):
             provenance.setdefault(f"{layer}.{k}", "default")
 
     try:

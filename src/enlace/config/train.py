@@ -31,6 +31,9 @@ class CheckpointConfig(Strict):
     keep_last: StrictInt = Field(default=2, ge=1)
     # On a corrupted latest checkpoint: stop with an error (false) or resume from the previous one (true).
     fallback_on_corrupt: StrictBool = False
+    # A rerun under a different run identity (changed params, data or code) starts fresh: "move" keeps the
+    # old run under <run dir>/previous/<identity>/, "delete" removes it.
+    on_identity_change: Literal["move", "delete"] = "move"
 
 
 class TrainConfig(Strict):

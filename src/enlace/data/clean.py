@@ -7,6 +7,7 @@ import html
 import re
 import unicodedata
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..config.data import CleaningConfig
 
@@ -68,6 +69,8 @@ def line_verdict(line: str, cfg: CleaningConfig) -> str:
     visible = sum(1 for c in line if not c.isspace())
     if visible and letters / visible < cfg.min_letter_fraction:
         return "symbols"
+    if cfg.language_filter and cfg.language_id == "lingua":
+        return "keep" if is_spanish_lingua(line) else "english"  # counted with the English lines
     if cfg.language_filter:
         lower = [w.lower() for w in words]
         es = sum(w in ES_WORDS for w in lower)
@@ -75,6 +78,20 @@ def line_verdict(line: str, cfg: CleaningConfig) -> str:
         if en >= es or (es == 0 and len(words) >= 2 * cfg.min_words_per_line):
             return "english" if en else "symbols"
     return "keep"
+
+
+_DETECTOR: Any = None
+
+
+def is_spanish_lingua(line: str) -> bool:
+    """lingua-language-detector's verdict among the languages a Spanish corpus is mixed with."""
+    global _DETECTOR
+    from lingua import Language, LanguageDetectorBuilder
+
+    if _DETECTOR is None:
+        langs = ("SPANISH", "ENGLISH", "PORTUGUESE", "FRENCH", "ITALIAN", "CATALAN")
+        _DETECTOR = LanguageDetectorBuilder.from_languages(*(getattr(Language, x) for x in langs)).build()
+    return _DETECTOR.detect_language_of(line) == Language.SPANISH
 
 
 def clean_document(text: str, cfg: CleaningConfig, stats: CleanStats) -> str | None:

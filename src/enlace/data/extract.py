@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 from ..errors import DataError
 from ..io import iter_jsonl
@@ -36,17 +37,38 @@ def read_bytes(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def decode(data: bytes) -> tuple[str, int]:
-    """UTF-8 with invalid bytes replaced by U+FFFD; returns the text and how many were replaced."""
+# Up to this share of invalid UTF-8 bytes, a file is UTF-8 with a few stray bytes (replaced and counted);
+# above it, the file is in another encoding, which charset-normalizer identifies, or it is not text.
+MAX_INVALID_UTF8 = 0.001
+
+
+def decode_as(data: bytes, where: object = "input") -> tuple[str, int, str]:
+    """Text of `data`, how many bytes were not valid UTF-8, and the encoding it was read in.
+
+    UTF-8 first. A file with more than MAX_INVALID_UTF8 invalid bytes is decoded in the encoding that
+    charset-normalizer detects (Latin-1 "República" stays "República", not "Repblica"); NUL bytes or no
+    plausible encoding mean binary data, which is refused instead of becoming corpus text.
+    """
     try:
-        return data.decode("utf-8"), 0
+        return data.decode("utf-8"), 0, "utf-8"
     except UnicodeDecodeError:
-        text = data.decode("utf-8", errors="replace")
-        return text, text.count("\ufffd")
+        pass
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd")
+    if b"\x00" in data:
+        raise DataError(
+            f"{where}: binary data ({data.count(0)} NUL bytes, {bad} invalid UTF-8 bytes), not text"
+        )
+    if bad <= MAX_INVALID_UTF8 * len(data):
+        return text, bad, "utf-8"
+    from charset_normalizer import from_bytes
 
-
-def read_text(path: Path) -> tuple[str, int]:
-    return decode(read_bytes(path))
+    best = from_bytes(data).best()
+    if best is None or best.encoding is None or best.chaos > 0.2:
+        raise DataError(
+            f"{where}: not text in any known encoding ({bad} of {len(data)} bytes are invalid UTF-8)"
+        )
+    return data.decode(best.encoding, errors="replace"), bad, best.encoding
 
 
 def detect(rel: str) -> str | None:
@@ -252,36 +274,43 @@ def parquet_texts(path: Path, column: str) -> Iterator[str]:
                 yield value
 
 
-def extract_file(kind: str, path: Path, text_column: str = "text") -> tuple[list[str], int]:
-    """Documents of one file and the count of invalid UTF-8 bytes replaced while reading it."""
-    if kind == "html":
-        text, bad = read_text(path)
-        return [html_text(text)], bad
-    if kind == "mallard":
-        text, bad = read_text(path)
-        return [html_text(text, MALLARD_SKIP)], bad
-    if kind == "man":
+def iter_file(kind: str, path: Path, text_column: str, counts: dict[str, Any]) -> Iterator[str]:
+    """Stream the documents of one file; counts["invalid_utf8"] (and "encoding") are filled as it goes.
+
+    Row formats (parquet, jsonl, the Bible) are read piece by piece, so a large file never sits in memory.
+    """
+    counts.setdefault("invalid_utf8", 0)
+    if kind in ("html", "mallard", "fortune", "text"):
+        text, bad, enc = decode_as(read_bytes(path), path)
+        counts["invalid_utf8"] += bad
+        counts["encoding"] = enc
+        if kind == "html":
+            yield html_text(text)
+        elif kind == "mallard":
+            yield html_text(text, MALLARD_SKIP)
+        elif kind == "fortune":
+            yield "\n\n".join(fortune_texts(text))
+        else:
+            yield text
+    elif kind == "man":
         text = man_text(path)
         if text is None:
             warnings.warn(f"groff is not installed: skipping man page {path}", stacklevel=2)
-            return [], 0
-        return [text], text.count("\ufffd")
-    if kind == "gettext":
-        return ["\n".join(gettext_texts(path))], 0
-    if kind == "fortune":
-        text, bad = read_text(path)
-        return ["\n\n".join(fortune_texts(text))], bad
-    if kind == "sword":
-        return list(sword_chapters(path)), 0
-    if kind == "jsonl":
-        docs = list(jsonl_texts(path, text_column))
-        return docs, sum(d.count("\ufffd") for d in docs)
-    if kind == "parquet":
-        return list(parquet_texts(path, text_column)), 0
-    if kind == "text":
-        text, bad = read_text(path)
-        return [text], bad
-    raise DataError(f"{path}: unknown extractor {kind!r}")
+            return
+        counts["invalid_utf8"] += text.count("\ufffd")
+        yield text
+    elif kind == "gettext":
+        yield "\n".join(gettext_texts(path))
+    elif kind == "sword":
+        yield from sword_chapters(path)
+    elif kind == "jsonl":
+        for doc in jsonl_texts(path, text_column):
+            counts["invalid_utf8"] += doc.count("\ufffd")
+            yield doc
+    elif kind == "parquet":
+        yield from parquet_texts(path, text_column)
+    else:
+        raise DataError(f"{path}: unknown extractor {kind!r}")
 
 
 IGNORED_NAMES = {".complete"}
@@ -296,11 +325,11 @@ def list_files(
         return [(root.name, root, kind)] if kind else []
     out: list[tuple[str, Path, str]] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # .cache of huggingface_hub
         for fn in sorted(filenames):
             p = Path(dirpath) / fn
             rel = p.relative_to(root).as_posix()
-            if fn in IGNORED_NAMES or fn.endswith((".part", ".tmp")) or p.is_symlink():
+            if fn in IGNORED_NAMES or fn.endswith((".part", ".tmp", ".incomplete")) or p.is_symlink():
                 continue
             if include and not any(fnmatch.fnmatchcase(rel, pat) for pat in include):
                 continue

@@ -1,102 +1,214 @@
-"""Encode the corpus into token shards in parallel. `run_shard`.
+"""Encode the corpus into token shards. `run_shard`.
 
-Each worker process loads the tokenizer once and encodes batches of documents on one thread; the parent
-writes tokens in corpus order, so the shards are the same whatever the worker count.
+1. The corpus files are checked against the sha256 that `enlace fetch` recorded in its manifest.
+2. Each split is cut into units of a fixed number of documents. An `EncodeUnits` pipeline step (datatrove;
+   units split among tasks by index) encodes each unit into its own token file, so a killed run resumes
+   without redoing finished units.
+3. The unit files are concatenated in order into shards of `tokens_per_shard` tokens and a manifest.
+   Units, not tasks, fix the order: the shards are the same whatever the task count.
+
+Everything is built in a staging folder beside the output and swapped in at the end: a failed or killed
+run leaves the previous shards as they were.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import multiprocessing as mp
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from datatrove.pipeline.base import PipelineStep
 
 from .. import paths
+from ..config.data import ExecutorConfig
 from ..errors import DataError
 from ..io import atomic_write_text, canonical_json, fsync_dir, sha256_file
+from .engine import Stage, run_stages
+from .steps import raise_recorded_errors, record_error
 from .tokenize import EOS_ID
 from .util import log, progress
 
-DOCS_PER_TASK = 64
-_SP: Any = None  # the worker's tokenizer
+UNIT_DOCS = 4096  # documents per encoded unit: the granularity of resuming
+BATCH_DOCS = 64
+_SP: dict[str, Any] = {}  # the process's tokenizer, by model path
 
 
-def _init_worker(model_file: str) -> None:
-    # One thread per worker: OpenMP busy-waiting collapses throughput when processes share 2 cores.
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ[var] = "1"
-    global _SP
-    import sentencepiece as spm
+def load_tokenizer(model_file: Path) -> Any:
+    """The sentencepiece model, or a one-line error when the file is missing or not a model."""
+    key = str(model_file)
+    if key not in _SP:
+        if not model_file.exists():
+            raise DataError(f"{model_file}: not found; run `enlace tokenize` first")
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            os.environ[var] = "1"  # one thread per task: busy-waiting collapses when tasks share cores
+        import sentencepiece as spm
 
-    _SP = spm.SentencePieceProcessor(model_file=model_file)
+        try:
+            _SP[key] = spm.SentencePieceProcessor(model_file=key)
+        except (RuntimeError, OSError) as e:
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(
+                f"{model_file}: not a valid sentencepiece model ({msg}); run `enlace tokenize`"
+            ) from None
+    return _SP[key]
 
 
-def encode_batch(texts: list[str], dtype: str) -> bytes:
-    """Token ids of the documents, each followed by EOS, as raw bytes of `dtype`."""
-    ids = _SP.encode(texts, num_threads=1)
+def encode_batch(sp: Any, texts: list[str], dtype: str) -> np.ndarray:
+    """Token ids of the documents, each followed by EOS."""
     flat: list[int] = []
-    for doc in ids:
+    for doc in sp.encode(texts, num_threads=1):
         flat.extend(doc)
         flat.append(EOS_ID)
-    return np.asarray(flat, dtype=dtype).tobytes()
+    return np.asarray(flat, dtype=dtype)
 
 
-def _encode_task(task: tuple[list[str], str]) -> bytes:
-    return encode_batch(*task)
+def _encode_task(task: tuple[str, list[str], str]) -> bytes:
+    return encode_batch(load_tokenizer(Path(task[0])), task[1], task[2]).tobytes()
 
 
-def _batches(docs: Iterator[str], n: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    for d in docs:
-        batch.append(d)
-        if len(batch) == n:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+def encode_stream(docs: Iterator[str], model_file: Path, dtype: str, workers: int) -> Iterator[bytes]:
+    """Encoded batches of documents in input order on `workers` processes (bench/bench_shard.py uses it)."""
 
+    def tasks() -> Iterator[tuple[str, list[str], str]]:
+        batch: list[str] = []
+        for d in docs:
+            batch.append(d)
+            if len(batch) == BATCH_DOCS:
+                yield str(model_file), batch, dtype
+                batch = []
+        if batch:
+            yield str(model_file), batch, dtype
 
-def encode_stream(
-    docs: Iterator[str], model_file: Path, dtype: str, workers: int, on_batch: Any = None
-) -> Iterator[bytes]:
-    """Encoded batches in input order; `workers` processes (1: in this process)."""
-    tasks = ((b, dtype) for b in _batches(docs, DOCS_PER_TASK))
     if workers <= 1:
-        _init_worker(str(model_file))
-        for t in tasks:
-            yield _encode_task(t)
+        yield from map(_encode_task, tasks())
         return
+    import multiprocessing as mp
+
     ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(str(model_file),))
+    with ctx.Pool(workers) as pool:
+        yield from pool.imap(_encode_task, tasks(), chunksize=1)
+
+
+def verify_corpus(corpus: Path) -> dict[str, Any]:
+    """The corpus manifest, after checking every split file against the sha256 that fetch recorded."""
+    mpath = corpus / "manifest.json"
+    if not mpath.exists():
+        raise DataError(f"{mpath}: not found; the corpus is missing or incomplete (run `enlace fetch`)")
     try:
-        yield from pool.imap(_encode_task, tasks, chunksize=1)
-    finally:
-        pool.terminate()
-        pool.join()
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+        splits = {s: manifest["splits"][s] for s in ("train", "val")}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{mpath}: not a corpus manifest ({e})") from None
+    for split, meta in splits.items():
+        p = corpus / f"{split}.jsonl"
+        if not p.exists():
+            raise DataError(f"{p}: not found; run `enlace fetch`")
+        actual = sha256_file(p)
+        if actual != meta["sha256"]:
+            raise DataError(
+                f"{p}: does not match the corpus manifest (sha256 {actual}, fetch recorded {meta['sha256']}); "
+                "the corpus was modified: run `enlace fetch` again"
+            )
+    return manifest
+
+
+def unit_offsets(path: Path, unit_docs: int) -> list[tuple[int, int, int]]:
+    """(start byte, end byte, first line number) of each unit of `unit_docs` lines."""
+    units: list[tuple[int, int, int]] = []
+    start, n, lineno, pos = 0, 0, 1, 0
+    with open(path, "rb") as f:
+        for line in f:
+            pos += len(line)
+            n += 1
+            if n == unit_docs:
+                units.append((start, pos, lineno))
+                start, n, lineno = pos, 0, lineno + unit_docs
+    if n:
+        units.append((start, pos, lineno))
+    return units
+
+
+def unit_name(split: str, i: int) -> str:
+    return f"{split}-{i:06d}"
+
+
+class EncodeUnits(PipelineStep):
+    """Encode units i with i % world_size == rank into staging/units/<split>-NNNNNN.bin (+ .json counts)."""
+
+    name = "enlace sentencepiece encode"
+
+    def __init__(
+        self, units: list[tuple[str, int, str, int, int, int]], model_file: Path, dtype: str, staging: Path
+    ):
+        super().__init__()
+        self.units, self.model_file, self.dtype, self.staging = units, Path(model_file), dtype, Path(staging)
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Any]:
+        try:
+            sp = load_tokenizer(self.model_file)
+            for i, unit in enumerate(self.units):
+                if i % world_size == rank:
+                    self._one(sp, *unit)
+        except DataError as e:
+            record_error(self.staging, rank, e)
+        yield from ()
+
+    def _one(self, sp: Any, split: str, idx: int, path: str, start: int, end: int, lineno: int) -> None:
+        folder = self.staging / "units"
+        counts_file = folder / f"{unit_name(split, idx)}.json"
+        if counts_file.exists():  # finished by an earlier, interrupted run
+            return
+        folder.mkdir(parents=True, exist_ok=True)
+        out = folder / f"{unit_name(split, idx)}.bin"
+        tmp = folder / f".{out.name}.tmp-{os.getpid()}"
+        docs = nbytes = tokens = 0
+        with open(path, "rb") as src, open(tmp, "wb") as f:
+            src.seek(start)
+            batch: list[str] = []
+            for n, raw in enumerate(src.read(end - start).splitlines()):
+                try:
+                    text = json.loads(raw)["text"]
+                    if not isinstance(text, str):
+                        raise TypeError("text is not a string")
+                except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                    raise DataError(f"{path}:{lineno + n}: not a corpus line ({e})") from None
+                docs += 1
+                nbytes += len(text.encode("utf-8"))
+                batch.append(text)
+                if len(batch) == BATCH_DOCS:
+                    arr = encode_batch(sp, batch, self.dtype)
+                    f.write(arr.tobytes())
+                    tokens += arr.size
+                    batch = []
+            if batch:
+                arr = encode_batch(sp, batch, self.dtype)
+                f.write(arr.tobytes())
+                tokens += arr.size
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+        atomic_write_text(counts_file, canonical_json({"docs": docs, "bytes": nbytes, "tokens": tokens}))
 
 
 class _ShardWriter:
-    """Writes NNNNN shards under temporary names; each is fsynced and renamed only when complete."""
+    """Cuts a token stream into NNNNN shards of `cap` tokens, hashing each as it is written."""
 
-    def __init__(self, out: Path, split: str, dtype: str, tokens_per_shard: int):
-        self.out, self.split, self.dtype = out, split, np.dtype(dtype)
-        self.cap = tokens_per_shard
+    def __init__(self, out: Path, split: str, dtype: str, cap: int):
+        self.out, self.split, self.dtype, self.cap = out, split, np.dtype(dtype), cap
         self.shards: list[dict[str, Any]] = []
-        self.written: list[Path] = []  # final and temporary names this writer created, for cleanup
         self._f: Any = None
         self._n = 0
 
     def _open(self) -> None:
-        name = f"{self.split}-{len(self.shards):05d}.bin"
-        self._tmp = self.out / f".{name}.tmp"
-        self._final = self.out / name
-        self.written.append(self._tmp)
-        self._f = open(self._tmp, "wb")
+        self._name = f"{self.split}-{len(self.shards):05d}.bin"
+        self._f = open(self.out / self._name, "wb")
+        self._h = hashlib.sha256()
         self._n = 0
 
     def _close(self) -> None:
@@ -104,9 +216,7 @@ class _ShardWriter:
         os.fsync(self._f.fileno())
         self._f.close()
         self._f = None
-        os.replace(self._tmp, self._final)
-        self.written.append(self._final)
-        self.shards.append({"file": self._final.name, "tokens": self._n, "sha256": sha256_file(self._final)})
+        self.shards.append({"file": self._name, "tokens": self._n, "sha256": self._h.hexdigest()})
 
     def write(self, arr: np.ndarray) -> None:
         while arr.size:
@@ -114,7 +224,9 @@ class _ShardWriter:
                 self._open()
             room = self.cap - self._n
             part, arr = arr[:room], arr[room:]
-            self._f.write(part.tobytes())
+            blob = part.tobytes()
+            self._f.write(blob)
+            self._h.update(blob)
             self._n += part.size
             if self._n == self.cap:
                 self._close()
@@ -124,25 +236,23 @@ class _ShardWriter:
             self._close()
         return self.shards
 
-    def abort(self) -> None:
-        if self._f is not None:
-            self._f.close()
-        for p in self.written:
-            p.unlink(missing_ok=True)
+
+def _state_key(corpus_manifest: dict[str, Any], model_sha: str, dtype: str, unit_docs: int) -> str:
+    ident = {
+        "corpus": {s: corpus_manifest["splits"][s]["sha256"] for s in ("train", "val")},
+        "tokenizer": model_sha,
+        "dtype": dtype,
+        "unit_docs": unit_docs,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
 
-def _split_docs(path: Path, counts: dict[str, int]) -> Iterator[str]:
-    if not path.exists():
-        raise DataError(f"{path}: not found; run `enlace fetch` first")
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            try:
-                text = json.loads(line)["text"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise DataError(f"{path}:{lineno}: not a corpus line ({e})") from None
-            counts["docs"] += 1
-            counts["bytes"] += len(text.encode("utf-8"))
-            yield text
+def _restore_interrupted_swap(out: Path) -> None:
+    """A run killed between the two renames of the swap left out.old: put it back."""
+    old = out.with_name(f".{out.name}.old")
+    if old.exists() and not out.exists():
+        os.replace(old, out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def build_shards(
@@ -154,61 +264,74 @@ def build_shards(
     tokens_per_shard: int,
     workers: int | None = None,
     config_hash: str = "",
+    tasks: int | None = None,
+    executor: ExecutorConfig | None = None,
+    unit_docs: int = UNIT_DOCS,
 ) -> dict[str, Any]:
-    """Encode corpus/{train,val}.jsonl into out/{split}-NNNNN.bin and write out/manifest.json last."""
+    """Encode corpus/{train,val}.jsonl into out/{split}-NNNNN.bin and out/manifest.json."""
+    out = Path(out)
+    _restore_interrupted_swap(out)
     model_file = tokenizer / "tokenizer.model"
-    if not model_file.exists():
-        raise DataError(f"{model_file}: not found; run `enlace tokenize` first")
-    import sentencepiece as spm
-
-    actual_vocab = spm.SentencePieceProcessor(model_file=str(model_file)).vocab_size()
+    sp = load_tokenizer(model_file)
+    actual_vocab = sp.vocab_size()
     if actual_vocab != vocab_size:
         raise DataError(
             f"{model_file}: vocab size {actual_vocab} differs from data.tokenizer.vocab_size {vocab_size}"
         )
     if actual_vocab > np.iinfo(np.dtype(dtype)).max + 1:
         raise DataError(f"{model_file}: vocab size {actual_vocab} does not fit {dtype} shards")
-    workers = workers or os.cpu_count() or 1
-    out.mkdir(parents=True, exist_ok=True)
-    manifest_path = out / "manifest.json"
-    manifest_path.unlink(missing_ok=True)  # shards without a manifest are never loaded
-    for old in list(out.glob("*.bin")) + list(out.glob(".*.tmp")):
-        old.unlink()
+    corpus_manifest = verify_corpus(corpus)
+    model_sha = sha256_file(model_file)
+    executor = executor or ExecutorConfig()
+    if workers is not None or tasks is not None:
+        executor = executor.model_copy(update={"workers": workers, "tasks": tasks or workers})
+    ntasks = executor.tasks or os.cpu_count() or 1
     t0 = time.perf_counter()
+    staging = out.with_name(f".{out.name}.partial")
+    key = _state_key(corpus_manifest, model_sha, dtype, unit_docs)
+    key_file = staging / "state.json"
+    if not key_file.exists() or json.loads(key_file.read_text()).get("key") != key:
+        shutil.rmtree(staging, ignore_errors=True)  # units of other inputs: start over
+        staging.mkdir(parents=True)
+        atomic_write_text(key_file, canonical_json({"key": key}))
+    shutil.rmtree(staging / "errors", ignore_errors=True)
+    units: list[tuple[str, int, str, int, int, int]] = []
+    for split in ("train", "val"):
+        path = corpus / f"{split}.jsonl"
+        for i, (start, end, lineno) in enumerate(unit_offsets(path, unit_docs)):
+            units.append((split, i, str(path), start, end, lineno))
+    done = sum((staging / "units" / f"{unit_name(s, i)}.json").exists() for s, i, *_ in units)
+    if done:
+        log(f"shard: resuming: {done} of {len(units)} units already encoded")
+    stage = Stage(
+        "encode", [EncodeUnits(units, model_file, dtype, staging)], tasks=max(1, min(ntasks, len(units)))
+    )
+    logs = out.parent / "logs" / "shard" if executor.kind == "local" else Path(executor.logging_dir) / "shard"
+    if done < len(units) and not run_stages([stage], executor, logs):
+        log(f"shard: submitted the encoding to {executor.kind}; run `enlace shard` again when it is done")
+        return {}
+    raise_recorded_errors(staging)
+    # Assemble: unit files in order -> fixed-size shards, in staging/shards, then swap.
+    new = staging / "shards"
+    shutil.rmtree(new, ignore_errors=True)
+    new.mkdir()
     splits: dict[str, Any] = {}
-    writers: list[_ShardWriter] = []
-    try:
-        for split in ("train", "val"):
-            counts = {"docs": 0, "bytes": 0}
-            writer = _ShardWriter(out, split, dtype, tokens_per_shard)
-            writers.append(writer)
-            bar = progress(desc=f"shard {split}", unit="tok", unit_scale=True)
-            total = 0
-            for blob in encode_stream(
-                _split_docs(corpus / f"{split}.jsonl", counts), model_file, dtype, workers
-            ):
-                arr = np.frombuffer(blob, dtype=dtype)
-                writer.write(arr)
-                total += arr.size
-                bar.update(arr.size)
-            bar.close()
-            shards = writer.finish()
-            splits[split] = {
-                "docs": counts["docs"],
-                "bytes": counts["bytes"],
-                "tokens": total,
-                "shards": shards,
-            }
-    except BaseException:
-        for w in writers:
-            w.abort()
-        raise
-    elapsed = time.perf_counter() - t0
+    for split in ("train", "val"):
+        writer = _ShardWriter(new, split, dtype, tokens_per_shard)
+        counts = {"docs": 0, "bytes": 0, "tokens": 0}
+        mine = [i for s, i, *_ in units if s == split]
+        for i in progress(mine, desc=f"shard {split}", unit="unit"):
+            c = json.loads((staging / "units" / f"{unit_name(split, i)}.json").read_text())
+            for k in counts:
+                counts[k] += c[k]
+            writer.write(np.fromfile(staging / "units" / f"{unit_name(split, i)}.bin", dtype=dtype))
+        splits[split] = {**counts, "shards": writer.finish()}
     manifest = {
         "dtype": dtype,
         "vocab_size": vocab_size,
         "eos_id": EOS_ID,
-        "tokenizer_sha256": sha256_file(model_file),
+        "tokenizer_sha256": model_sha,
+        "corpus_sha256": {s: corpus_manifest["splits"][s]["sha256"] for s in ("train", "val")},
         "config_hash": config_hash,
         "splits": splits,
         # bits per byte = loss per token (nats) / ln 2 / bytes_per_token
@@ -216,12 +339,20 @@ def build_shards(
             s: (v["bytes"] / v["tokens"] if v["tokens"] else None) for s, v in splits.items()
         },
     }
-    atomic_write_text(manifest_path, canonical_json(manifest))
-    fsync_dir(out)
+    atomic_write_text(new / "manifest.json", canonical_json(manifest))
+    fsync_dir(new)
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(new, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+    elapsed = time.perf_counter() - t0
     ntok = sum(v["tokens"] for v in splits.values())
     log(
         f"shard: {ntok} tokens ({splits['train']['tokens']} train, {splits['val']['tokens']} val) "
-        f"in {elapsed:.1f} s ({ntok / max(elapsed, 1e-9) / 1e6:.2f} M tok/s, {workers} workers) -> {out}"
+        f"in {elapsed:.1f} s ({ntok / max(elapsed, 1e-9) / 1e6:.2f} M tok/s, {stage.tasks} tasks) -> {out}"
     )
     return manifest
 
@@ -238,4 +369,5 @@ def run_shard(cfg: Any) -> dict[str, Any]:
         d.shard.tokens_per_shard,
         d.shard.num_workers,
         cfg.section_hash("data"),
+        executor=d.executor,
     )

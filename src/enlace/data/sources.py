@@ -1,7 +1,13 @@
-"""Fetch each source into data/raw and verify it: pinned sha256 first, else the lock file's, else record one."""
+"""Fetch each source into data/raw and verify it: pinned sha256 first, else the lock file's, else record one.
+
+The lock file (configs/data/<name>.lock.json) is trust on first use: what the first fetch saw (a .deb's
+sha256; a Hugging Face revision's commit and each file's size and sha256) is recorded atomically, and later
+fetches must see exactly that.
+"""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import re
@@ -10,10 +16,11 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..config.data import DebSource, HfSource, LocalSource, UrlSource
 from ..errors import DataError
-from ..io import canonical_json, sha256_file
+from ..io import atomic_write_json, sha256_file
 from .download import download
 from .util import log
 
@@ -25,7 +32,7 @@ class Lock:
     """Checksums of sources that the config does not pin, recorded on first fetch and verified after."""
 
     path: Path | None
-    entries: dict[str, dict[str, str]] = field(default_factory=dict)
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
     dirty: bool = False
 
     @classmethod
@@ -53,8 +60,7 @@ class Lock:
 
     def save(self) -> None:
         if self.dirty and self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(canonical_json({"sources": self.entries}), encoding="utf-8")
+            atomic_write_json(self.path, {"sources": self.entries})
             self.dirty = False
 
 
@@ -135,17 +141,122 @@ def fetch_url(src: UrlSource, raw: Path, lock: Lock) -> Path:
     return dest.parent
 
 
-def hf_url(src: HfSource, file: str) -> str:
-    return f"{src.endpoint.rstrip('/')}/datasets/{src.repo}/resolve/{src.revision}/{file}"
+COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def hf_endpoint(src: HfSource) -> str:
+    return src.endpoint or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def _hf_call(what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+    """A huggingface_hub call with its errors turned into one line naming what failed."""
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    try:
+        return fn(*args, **kw)
+    except RevisionNotFoundError:
+        raise DataError(f"{what}: revision not found") from None
+    except RepositoryNotFoundError:
+        raise DataError(f"{what}: repository not found (or private)") from None
+    except HfHubHTTPError as e:
+        raise DataError(f"{what}: {str(e).splitlines()[0]}") from None
+    except OSError as e:  # connection refused, DNS, timeouts
+        raise DataError(f"{what}: {type(e).__name__}: {e}") from None
+
+
+def resolve_hf(src: HfSource, api: Any) -> dict[str, Any]:
+    """Resolve the revision to a commit and select the files: the lock entry of a first fetch."""
+    where = f"hf source {src.name} ({src.repo}@{src.revision})"
+    info = _hf_call(where, api.dataset_info, src.repo, revision=src.revision)
+    commit = info.sha
+    if not commit or not COMMIT.fullmatch(commit):
+        raise DataError(f"{where}: the endpoint returned no commit for the revision")
+    tree = _hf_call(
+        where,
+        lambda: list(api.list_repo_tree(src.repo, revision=commit, repo_type="dataset", recursive=True)),
+    )
+    sizes = {
+        f.path: f.size for f in tree if getattr(f, "size", None) is not None and not hasattr(f, "tree_id")
+    }
+    chosen = sorted(p for p in sizes if any(fnmatch.fnmatchcase(p, pat) for pat in src.files))
+    if src.max_files is not None:
+        chosen = chosen[: src.max_files]
+    if not chosen:
+        raise DataError(f"{where}: no file of commit {commit} matches {src.files}")
+    return {
+        "repo": src.repo,
+        "revision": src.revision,
+        "files_selected": list(src.files),
+        "max_files": src.max_files,
+        "commit": commit,
+        "files": {p: {"size": sizes[p]} for p in chosen},
+    }
 
 
 def fetch_hf(src: HfSource, raw: Path, lock: Lock) -> Path:
-    root = raw / "hf" / _safe(src.repo) / _safe(src.revision)
-    for file in src.files:
-        url = hf_url(src, file)
-        expected = src.sha256.get(file) or lock.entries.get(src.name, {}).get(file)
-        actual = download(url, root / file, expected, src.timeout_s, src.retries)
-        lock.check(src.name, file, src.sha256.get(file), actual, f"hf source {src.name} ({url})")
+    """Download the selected files at the locked commit with huggingface_hub and verify size and sha256.
+
+    First fetch: `revision` (e.g. main) is resolved to a commit, and the commit, file list, sizes and
+    sha256 go into the lock. Later fetches download that commit and refuse any difference.
+    """
+    from huggingface_hub import HfApi, hf_hub_download
+
+    endpoint = hf_endpoint(src)
+    api = HfApi(endpoint=endpoint)
+    entry = lock.entries.get(src.name)
+    same = entry is not None and all(
+        entry.get(k) == v
+        for k, v in (
+            ("repo", src.repo),
+            ("revision", src.revision),
+            ("files_selected", list(src.files)),
+            ("max_files", src.max_files),
+        )
+    )
+    if not same:
+        if entry is not None:
+            log(f"fetch: {src.name}: the config's repo, revision or files changed; pinning again")
+        entry = resolve_hf(src, api)
+        log(
+            f"fetch: {src.name}: {src.repo}@{src.revision} is commit {entry['commit']}; locking {len(entry['files'])} files"
+        )
+    assert entry is not None
+    commit = entry["commit"]
+    root = raw / "hf" / _safe(src.repo) / commit
+    for path, meta in entry["files"].items():
+        dest = root / path
+        where = f"hf source {src.name} ({src.repo}@{commit[:12]}:{path})"
+        if not dest.exists():
+            _hf_call(
+                where,
+                hf_hub_download,
+                src.repo,
+                path,
+                repo_type="dataset",
+                revision=commit,
+                local_dir=str(root),
+                endpoint=endpoint,
+                etag_timeout=src.timeout_s,
+            )
+        size, actual = dest.stat().st_size, sha256_file(dest)
+        expected = src.sha256.get(path) or meta.get("sha256")
+        if (
+            meta.get("size") is not None
+            and size != meta["size"]
+            or expected is not None
+            and actual != expected
+        ):
+            dest.unlink()
+            origin = "the config" if src.sha256.get(path) else str(lock.path)
+            raise DataError(
+                f"{where}: upstream changed: expected {meta.get('size')} bytes with sha256 {expected} "
+                f"(from {origin}), got {size} bytes with sha256 {actual}; if the change is wanted, delete "
+                f"the entry {src.name!r} from {lock.path} and fetch again"
+            )
+        meta["sha256"] = actual
+    if lock.entries.get(src.name) != entry:
+        lock.entries[src.name] = entry
+        lock.dirty = True
     return root
 
 

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .. import paths
 from ..config.data import TokenizerConfig
 from ..errors import DataError
-from ..io import atomic_write_text, canonical_json, sha256_file
+from ..io import atomic_write_text, canonical_json, fsync_file, sha256_file
 from .util import log, progress
 
 # Fixed special ids: the model, the loaders and the chat template all rely on them.
@@ -81,47 +81,39 @@ def _hard_split(text: str, max_bytes: int) -> list[str]:
     return out
 
 
-def write_training_text(docs: Iterator[str], dest: Path, max_bytes: int) -> dict[str, int]:
-    """One sentence per line, in corpus order (a fixed input order keeps training deterministic)."""
-    stats = {"docs": 0, "lines": 0, "long_lines_split": 0, "pieces_from_long_lines": 0}
-    with open(dest, "w", encoding="utf-8") as f:
-        for doc in progress(docs, desc="tokenizer: prepare", unit="doc"):
-            stats["docs"] += 1
-            for line in doc.split("\n"):
-                line = line.strip()
-                if not line:
-                    continue
-                pieces = split_sentence(line, max_bytes)
-                if len(pieces) > 1:
-                    stats["long_lines_split"] += 1
-                    stats["pieces_from_long_lines"] += len(pieces)
-                for p in pieces:
-                    f.write(p + "\n")
-                    stats["lines"] += 1
-    if not stats["lines"]:
-        raise DataError("tokenizer: the training split has no text")
-    return stats
+def training_sentences(docs: Iterator[str], max_bytes: int, stats: dict[str, int]) -> Iterator[str]:
+    """One sentence (a line, cut to max_bytes) at a time, in corpus order; `stats` counts as it goes."""
+    for doc in progress(docs, desc="tokenizer: read", unit="doc"):
+        stats["docs"] += 1
+        for line in doc.split("\n"):
+            line = line.strip()
+            if not line:
+                continue
+            pieces = split_sentence(line, max_bytes)
+            if len(pieces) > 1:
+                stats["long_lines_split"] += 1
+                stats["pieces_from_long_lines"] += len(pieces)
+            for p in pieces:
+                stats["lines"] += 1
+                yield p
 
 
-def _lines(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            yield line.rstrip("\n")
-
-
-def train_sentencepiece(text_file: Path, prefix: Path, cfg: TokenizerConfig) -> None:
+def train_sentencepiece(sentences: Iterator[str], prefix: Path, cfg: TokenizerConfig) -> None:
     """Train and write prefix.model and prefix.vocab.
 
     The input goes in through an iterator and the model comes out through a writer: given file names,
     sentencepiece records them in the model, and the same training in another folder gives other bytes.
+    With input_sentence_size > 0, sentencepiece keeps a seeded random sample of that many sentences
+    (reservoir sampling over the stream), so memory is bounded by the sample, not by the corpus.
     """
     import io
 
     import sentencepiece as spm
 
+    spm.set_random_generator_seed(cfg.seed)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=_lines(text_file),
+        sentence_iterator=sentences,
         model_writer=model,
         model_type=cfg.type,
         vocab_size=cfg.vocab_size,
@@ -138,7 +130,7 @@ def train_sentencepiece(text_file: Path, prefix: Path, cfg: TokenizerConfig) -> 
         user_defined_symbols=list(cfg.user_defined_symbols),
         max_sentence_length=cfg.max_sentence_length,
         input_sentence_size=cfg.input_sentence_size,
-        shuffle_input_sentence=False,
+        shuffle_input_sentence=cfg.input_sentence_size > 0,
         split_digits=cfg.split_digits,
         # Keep text as written: identity normalization (the corpus is NFC already) and no whitespace
         # squeezing, so decode(encode(text)) == text and bits-per-byte are measured on the real bytes.
@@ -154,18 +146,32 @@ def train_sentencepiece(text_file: Path, prefix: Path, cfg: TokenizerConfig) -> 
     prefix.with_suffix(".vocab").write_text(vocab, encoding="utf-8")
 
 
-def evaluate(model_file: Path, docs: list[str]) -> dict[str, Any]:
-    """Chars per token and tokens per word on `docs`, against the byte-level baseline."""
+def evaluate(model_file: Path, docs: Iterable[str]) -> dict[str, Any]:
+    """Chars per token and tokens per word on `docs` (streamed in batches), against the byte-level baseline."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=str(model_file))
-    chars = sum(len(d) for d in docs)
-    nbytes = sum(len(d.encode("utf-8")) for d in docs)
-    words = sum(len(d.split()) for d in docs)
-    tokens = sum(len(ids) for ids in sp.encode(docs)) if docs else 0
-    unk = sum(ids.count(UNK_ID) for ids in sp.encode(docs)) if docs else 0
+    n = chars = nbytes = words = tokens = unk = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        nonlocal tokens, unk
+        for ids in sp.encode(batch) if batch else []:
+            tokens += len(ids)
+            unk += ids.count(UNK_ID)
+        batch.clear()
+
+    for d in docs:
+        n += 1
+        chars += len(d)
+        nbytes += len(d.encode("utf-8"))
+        words += len(d.split())
+        batch.append(d)
+        if len(batch) == 256:
+            flush()
+    flush()
     return {
-        "docs": len(docs),
+        "docs": n,
         "chars": chars,
         "bytes": nbytes,
         "words": words,
@@ -185,45 +191,57 @@ def evaluate(model_file: Path, docs: list[str]) -> dict[str, Any]:
 
 
 def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: str = "") -> dict[str, Any]:
-    """Train on corpus/train.jsonl, write out/tokenizer.model, tokenizer.vocab, report.json."""
+    """Train on corpus/train.jsonl, write out/tokenizer.model, tokenizer.vocab, report.json.
+
+    The previous tokenizer stays in place until the new one is complete: everything is written in a
+    temporary folder beside `out`, then moved in (report.json, the "complete" mark, last).
+    """
     t0 = time.perf_counter()
+    train_file = corpus / "train.jsonl"
+    if not train_file.exists():
+        raise DataError(f"{train_file}: not found; run `enlace fetch` first")
     stages = progress(total=3, desc="tokenizer", unit="stage")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        text_file = Path(tmp) / "train.txt"
-        prep = write_training_text(read_docs(corpus / "train.jsonl"), text_file, cfg.max_sentence_length)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp_name:
+        tmp = Path(tmp_name)
+        prep = {"docs": 0, "lines": 0, "long_lines_split": 0, "pieces_from_long_lines": 0}
+        sentences = training_sentences(read_docs(train_file), cfg.max_sentence_length, prep)
         stages.update(1)
         stages.set_postfix_str(f"training {cfg.type} vocab {cfg.vocab_size}")
         t1 = time.perf_counter()
         try:
-            train_sentencepiece(text_file, Path(tmp) / "tokenizer", cfg)
+            train_sentencepiece(sentences, tmp / "tokenizer", cfg)
         except RuntimeError as e:
-            raise DataError(f"tokenizer training failed on {corpus / 'train.jsonl'}: {e}") from None
+            if not prep["lines"]:
+                raise DataError(f"tokenizer: {train_file} has no text") from None
+            raise DataError(f"tokenizer training failed on {train_file}: {e}") from None
         t_train = time.perf_counter() - t1
         stages.update(1)
+        val_path = corpus / "val.jsonl"
+        ev = evaluate(tmp / "tokenizer.model", read_docs(val_path) if val_path.exists() else [])
+        stages.update(1)
+        stages.close()
+        report = {
+            "config_hash": config_hash,
+            "type": cfg.type,
+            "vocab_size": cfg.vocab_size,
+            "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
+            "user_defined_symbols": list(cfg.user_defined_symbols),
+            "model_sha256": sha256_file(tmp / "tokenizer.model"),
+            # "lines" are sentences, what input_sentence_size counts: the sample holds at most that many.
+            "training_input": {**prep, "input_sentence_size": cfg.input_sentence_size},
+            "val": ev,
+        }
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").unlink(missing_ok=True)
         for name in ("tokenizer.model", "tokenizer.vocab"):
-            shutil.copyfile(Path(tmp) / name, Path(tmp) / f"{name}.final")
-            (Path(tmp) / f"{name}.final").replace(out / name)
-    val_path = corpus / "val.jsonl"
-    val_docs = list(read_docs(val_path)) if val_path.exists() else []
-    ev = evaluate(out / "tokenizer.model", val_docs)
-    stages.update(1)
-    stages.close()
-    report = {
-        "config_hash": config_hash,
-        "type": cfg.type,
-        "vocab_size": cfg.vocab_size,
-        "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID},
-        "user_defined_symbols": list(cfg.user_defined_symbols),
-        "model_sha256": sha256_file(out / "tokenizer.model"),
-        "training_input": prep,
-        "val": ev,
-    }
-    atomic_write_text(out / "report.json", canonical_json(report))
+            fsync_file(tmp / name)
+            os.replace(tmp / name, out / name)
+        atomic_write_text(out / "report.json", canonical_json(report))
     log(
-        f"tokenizer: {cfg.type} {cfg.vocab_size} trained in {t_train:.1f} s on {prep['lines']} lines "
-        f"({prep['long_lines_split']} long lines split); val {ev['chars_per_token'] or 0:.2f} chars/token, "
+        f"tokenizer: {cfg.type} {cfg.vocab_size} trained in {t_train:.1f} s on {prep['lines']} sentences "
+        f"({prep['long_lines_split']} long lines split; sample {cfg.input_sentence_size or 'all'}); "
+        f"val {ev['chars_per_token'] or 0:.2f} chars/token, "
         f"{ev['tokens_per_word'] or 0:.2f} tokens/word (bytes: {ev['byte_baseline']['tokens_per_word'] or 0:.2f}); "
         f"total {time.perf_counter() - t0:.1f} s -> {out}"
     )

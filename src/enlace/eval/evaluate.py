@@ -18,9 +18,9 @@ from .. import paths
 from ..config import Config, ModelConfig
 from ..errors import CheckpointError
 from ..generate import generate
-from ..hardware import autocast, check_device, sdpa_backend, setup_runtime
 from ..io import atomic_write_json
 from ..model import Llama
+from ..runtime import autocast, check_device, sdpa_backend, setup_runtime
 from ..text import codec_for, continuation
 
 
@@ -28,7 +28,8 @@ def load_trained_model(
     run_dir: Path, device: torch.device | str = "cpu"
 ) -> tuple[Llama, dict[str, Any], Path]:
     """The newest complete checkpoint of a run, as an eval-mode model built from the config it saved."""
-    from ..train.checkpoint import latest_checkpoint, load_model_tensors
+    from ..train.checkpoint import latest_checkpoint
+    from ..train.step import load_model_tensors
 
     root = Path(run_dir) / "checkpoints"
     found = latest_checkpoint(root, device=device)

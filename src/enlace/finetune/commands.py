@@ -80,13 +80,16 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _finetune(args: argparse.Namespace) -> int:
     from ..config import save_resolved
+    from ..train.lock import run_dir_lock
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
-    save_resolved(cfg, Path(cfg.finetune.out) / "config.json")
-    result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
-    print(json.dumps(result["final"]))
-    return 0
+    out = Path(cfg.finetune.out)
+    with run_dir_lock(out):  # before anything is written into the run folder
+        save_resolved(cfg, out / "config.json")
+        result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
+    print(json.dumps(result.final))
+    return result.exit_code
 
 
 def _finetune_eval(args: argparse.Namespace) -> int:
@@ -132,7 +135,15 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(handler=_import_gguf)
 
     ft = _common()
-    p = sub.add_parser("finetune", parents=[ft], help="train a LoRA adapter on instruction data")
+    p = sub.add_parser(
+        "finetune",
+        parents=[ft],
+        help="train a LoRA adapter on instruction data",
+        description="Train a LoRA adapter on instruction data (resumes the run in --out when its settings, data, "
+        "base model and code are unchanged). Exit status: 0 done, 2 user error or divergence, 143/130 "
+        "stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to continue), 1 interrupted twice "
+        "without saving the current step.",
+    )
     p.add_argument("--steps", type=int)
     p.add_argument("--lr", type=float)
     p.add_argument("--rank", type=int)

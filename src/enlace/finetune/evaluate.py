@@ -10,8 +10,8 @@ import torch
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import EnlaceError
-from ..hardware import setup_runtime
 from ..io import atomic_write_json
+from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
 from .hf import load_hf_folder
 from .lora import load_adapter, set_merged

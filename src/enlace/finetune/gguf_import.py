@@ -19,9 +19,8 @@ import numpy as np
 import torch
 
 from ..errors import DataError, EnlaceError
-from ..io import atomic_write_json, sha256_file
+from ..io import atomic_dir, atomic_write_json, sha256_file, write_safetensors
 from ..paths import PYPI_CACHE, SMOLLM2_DIR
-from .atomic import atomic_dir, write_safetensors
 from .hf import build_model
 from .hf_config import UnsupportedModelError, from_hf_config
 

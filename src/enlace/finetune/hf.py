@@ -14,9 +14,8 @@ import torch
 from safetensors import safe_open
 
 from ..errors import EnlaceError
-from ..io import atomic_write_json
+from ..io import atomic_write_json, write_safetensors
 from ..model import Llama
-from .atomic import write_safetensors
 from .hf_config import from_hf_config, to_hf_config
 
 WEIGHTS = "model.safetensors"

@@ -17,8 +17,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import EnlaceError
-from ..io import atomic_write_json
-from .atomic import write_safetensors
+from ..io import atomic_write_json, write_safetensors
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model

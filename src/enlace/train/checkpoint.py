@@ -4,36 +4,36 @@ Layout: <root>/step-00000300/ holding one `<name>.safetensors` per tensor group 
 meta.json (everything else, with the sha256 of every file) and COMPLETE, written last.
 
 Writing: all files go to <root>/.tmp-step-N-<pid>/, each fsynced, then the directory is fsynced and renamed
-into place, and only then COMPLETE is written (and fsynced). A checkpoint without COMPLETE is ignored and
-later deleted, so a SIGKILL at any instant leaves the previous checkpoint as the latest loadable one.
+into place (an existing step-N is moved aside first and deleted only after the new one is in: see
+enlace.io.replace_dir), and only then COMPLETE is written (and fsynced). A checkpoint without COMPLETE is
+ignored and later deleted, so a SIGKILL at any instant leaves a complete checkpoint as the latest loadable one.
 Loading verifies COMPLETE (it holds meta.json's sha256) and the sha256 of every file, naming the bad one.
 
-These functions know nothing about models or optimizers: the fine-tuning stage reuses them with its own
-tensor groups. The trainer-level helpers below them flatten a model and an AdamW into tensor groups.
+These functions know nothing about models or optimizers: enlace.train.step.TrainState makes the tensor
+groups and metadata that both stages write.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
-import signal
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
-from ..io import fsync_dir, fsync_file, sha256_file
+from ..io import canonical_json, fsync_dir, fsync_file, replace_dir, restore_aside, sha256_file
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
-# Test seam: ENLACE_TEST_KILL_DURING_SAVE=<step> makes the process SIGKILL itself after the first tensor
-# file of that step's checkpoint is written, to prove that a half-written checkpoint is never loaded.
-KILL_DURING_SAVE_ENV = "ENLACE_TEST_KILL_DURING_SAVE"
 
 
 def step_dirname(step: int) -> str:
@@ -47,18 +47,18 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _json(obj: Any) -> str:
-    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-
-
 def save_checkpoint(
     root: Path,
     step: int,
     tensors: dict[str, dict[str, torch.Tensor]],
     meta: dict[str, Any],
     keep_last: int | None = None,
+    pinned: Collection[int] = (),
 ) -> Path:
-    """Write step N's checkpoint atomically; return its directory. Deterministic: no timestamps, no paths."""
+    """Write step N's checkpoint atomically; return its directory. Deterministic: no timestamps, no paths.
+
+    keep_last: prune to the newest keep_last checkpoints afterwards, keeping the steps in `pinned` too.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dirname(step)
@@ -66,33 +66,37 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    files: dict[str, str] = {}
-    kill_at = os.environ.get(KILL_DURING_SAVE_ENV)
-    for group in sorted(tensors):
-        name = f"{group}.safetensors"
-        data = {k: v.detach().to("cpu").contiguous() for k, v in tensors[group].items()}
-        save_file(data, str(tmp / name))
-        fsync_file(tmp / name)
-        files[name] = sha256_file(tmp / name)
-        if kill_at is not None and int(kill_at) == step:
-            os.kill(os.getpid(), signal.SIGKILL)
-    _write_text(tmp / META, _json({**meta, "step": step, "files": files}))
-    fsync_dir(tmp)
-    if final.exists():
-        # Re-saving a step (e.g. a resumed run stopping at the same step): the old copy goes first.
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(root)
+    try:
+        files: dict[str, str] = {}
+        for group in sorted(tensors):
+            name = f"{group}.safetensors"
+            data = {k: v.detach().to("cpu").contiguous() for k, v in tensors[group].items()}
+            save_file(data, str(tmp / name))
+            fsync_file(tmp / name)
+            files[name] = sha256_file(tmp / name)
+        _write_text(tmp / META, canonical_json({**meta, "step": step, "files": files}))
+        fsync_dir(tmp)
+    except (OSError, SafetensorError) as e:
+        # A full disk or a vanished folder: drop the partial copy, keep every complete checkpoint.
+        shutil.rmtree(tmp, ignore_errors=True)
+        done = list_checkpoints(root)
+        kept = (
+            f"the last complete checkpoint, {done[-1].name}, is intact"
+            if done
+            else "no checkpoint exists yet"
+        )
+        raise CheckpointError(
+            f"{root}: could not write the checkpoint of step {step} ({_reason(e)}); {kept}. "
+            "Free space or choose another run directory, then rerun to continue"
+        ) from None
+    # Re-saving a step (a resumed run stopping at the same step): the old copy is moved aside, not deleted,
+    # until the new one is in place; COMPLETE marks the new one loadable.
+    replace_dir(tmp, final)
     _write_text(final / COMPLETE, sha256_file(final / META) + "\n")
     fsync_dir(final)
     if keep_last is not None:
-        prune(root, keep_last)
+        prune(root, keep_last, pinned)
     return final
-
-
-def _step_of(path: Path) -> int:
-    m = STEP_RE.match(path.name)
-    return int(m.group(1)) if m else -1
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -101,23 +105,45 @@ def list_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     dirs = [p for p in root.iterdir() if p.is_dir() and STEP_RE.match(p.name) and (p / COMPLETE).exists()]
-    return sorted(dirs, key=_step_of)
+    return sorted(dirs, key=step_of)
 
 
-def prune(root: Path, keep_last: int) -> None:
-    """Keep the newest keep_last complete checkpoints; delete older ones and stale partial writes."""
+def _reason(e: BaseException) -> str:
+    if isinstance(e, OSError):
+        return "no space left on device" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+    text = str(e)  # safetensors reports I/O errors as text, e.g. "... No space left on device (os error 28)"
+    return "no space left on device" if "os error 28" in text else text.splitlines()[0][:200]
+
+
+def step_of(path: Path) -> int:
+    m = STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else -1
+
+
+def prune(root: Path, keep_last: int, pinned: Collection[int] = ()) -> None:
+    """Keep the newest keep_last complete checkpoints and the pinned steps; delete older ones and stale
+    partial writes."""
     root = Path(root)
     complete = list_checkpoints(root)
     for p in complete[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
+        if step_of(p) not in pinned:
+            shutil.rmtree(p, ignore_errors=True)
     clean_partial(root)
 
 
 def clean_partial(root: Path) -> None:
-    """Delete leftovers of interrupted writes: temporary dirs and step dirs without COMPLETE."""
+    """Repair what an interrupted write left: put back a step moved aside for a re-save whose new copy never
+    arrived, then delete temporary dirs and step dirs without COMPLETE."""
     root = Path(root)
     if not root.is_dir():
         return
+    for p in list(root.iterdir()):
+        if p.name.startswith(".old-step-"):
+            final = root / p.name.removeprefix(".old-")
+            if final.is_dir() and not (final / COMPLETE).exists():
+                shutil.rmtree(final)  # the new copy, renamed in but never marked complete
+            if not restore_aside(final):
+                shutil.rmtree(p, ignore_errors=True)
     for p in root.iterdir():
         if not p.is_dir():
             continue
@@ -164,12 +190,16 @@ def load_checkpoint(
 
 
 def latest_checkpoint(
-    root: Path, fallback_on_corrupt: bool = False, device: str | torch.device = "cpu"
+    root: Path,
+    fallback_on_corrupt: bool = False,
+    device: str | torch.device = "cpu",
+    fallback_setting: str | None = None,
 ) -> tuple[Path, dict[str, dict[str, torch.Tensor]], dict[str, Any]] | None:
     """The newest complete checkpoint that verifies, or None when there is none.
 
     A corrupted newest checkpoint is an error (naming the file and any older complete checkpoint) unless
-    fallback_on_corrupt, in which case the next older one that verifies is used.
+    fallback_on_corrupt, in which case the next older one that verifies is used. fallback_setting: the
+    config key that turns the fallback on, named in the error where the caller has one (training).
     """
     candidates = list_checkpoints(root)
     errors: list[str] = []
@@ -179,9 +209,9 @@ def latest_checkpoint(
         except CheckpointError as e:
             older = candidates[: len(candidates) - 1 - i]
             if not fallback_on_corrupt:
+                how = f"set {fallback_setting} to resume from it, or " if fallback_setting else ""
                 hint = (
-                    f"; an older complete checkpoint exists: {older[-1]} (set train.checkpoint.fallback_on_corrupt"
-                    " to resume from it, or delete the corrupted one)"
+                    f"; an older complete checkpoint exists: {older[-1]} ({how}delete the corrupted one to use it)"
                     if older
                     else "; no older complete checkpoint exists"
                 )
@@ -193,59 +223,3 @@ def latest_checkpoint(
     if errors:
         raise CheckpointError(f"every checkpoint under {root} is corrupted: {'; '.join(errors)}")
     return None
-
-
-# ---- trainer-level helpers: model and AdamW <-> tensor groups -------------------------------------------
-
-
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict with tied weights stored once: safetensors refuses tensors that share storage."""
-    state = model.state_dict()
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        state.pop("lm_head.weight", None)  # the same tensor as model.embed_tokens.weight
-    return dict(state)
-
-
-def load_model_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
-    allowed_missing = {"lm_head.weight"} if tied else set()
-    if set(missing) - allowed_missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint does not fit the model: missing {sorted(set(missing) - allowed_missing)}, "
-            f"unexpected {sorted(unexpected)}"
-        )
-    if tied:
-        # load_state_dict copies in place, so the tie survives; re-tie anyway in case a caller rebuilt it.
-        model.lm_head.weight = model.model.embed_tokens.weight
-
-
-def optimizer_tensors(
-    optimizer: torch.optim.Optimizer, names: list[str]
-) -> tuple[dict[str, torch.Tensor], list]:
-    """Flatten optimizer state to {"<param name>.<state key>": tensor} plus JSON-able param groups.
-
-    `names[i]` is the name of the parameter with state_dict index i.
-    """
-    sd = optimizer.state_dict()
-    flat: dict[str, torch.Tensor] = {}
-    for idx, state in sd["state"].items():
-        for key, value in state.items():
-            t = value if torch.is_tensor(value) else torch.tensor(value)
-            flat[f"{names[idx]}.{key}"] = t
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    return flat, groups
-
-
-def load_optimizer_tensors(
-    optimizer: torch.optim.Optimizer, names: list[str], flat: dict[str, torch.Tensor], groups: list
-) -> None:
-    index = {n: i for i, n in enumerate(names)}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        pname, skey = key.rsplit(".", 1)
-        if pname not in index:
-            raise CheckpointError(f"optimizer state for unknown parameter {pname}")
-        state.setdefault(index[pname], {})[skey] = t
-    fixed = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
-    optimizer.load_state_dict({"state": state, "param_groups": fixed})

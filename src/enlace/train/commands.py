@@ -32,7 +32,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
             help=text,
             description=text
             + ". Exit status: 0 done, 2 user error or divergence, 143/130 stopped by SIGTERM/SIGINT"
-            " after saving a checkpoint (rerun to continue). Under torchrun, set train.world_size.",
+            " after saving a checkpoint (rerun to continue), 1 interrupted twice: stopped without saving the"
+            " current step (the message names the last complete checkpoint). Under torchrun, set"
+            " train.world_size.",
         )
         p.add_argument("--run-dir", default=None, help=f"run directory (default {paths.RUNS}/{stage})")
         p.add_argument(

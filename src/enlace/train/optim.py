@@ -51,8 +51,3 @@ def build_optimizer(model: nn.Module, opt: OptimizerConfig, device_type: str = "
     return torch.optim.AdamW(
         param_groups(model, opt), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, **kwargs
     )
-
-
-def param_names(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Names of the optimizer's parameters in state_dict index order (groups in order, params in order)."""
-    return [n for g in optimizer.param_groups for n in g["param_names"]]

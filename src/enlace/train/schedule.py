@@ -5,9 +5,10 @@ Warmup rises linearly to the peak over `warmup_steps` (the first update already 
 the plateau holds the peak; the last `decay_steps` updates anneal towards final_lr_frac * peak, reaching it
 exactly at step == max_steps (one past the last update), so no update is wasted at lr 0.
 
-The schedule depends on max_steps: extending a finished run (a higher max_steps) moves the decay later,
-so the resumed run re-warms from the annealed lr to the plateau. That is accepted on purpose (WSD's plateau
-makes continuation cheap); resuming past the target is what the trainer refuses.
+Only the decay depends on max_steps: every step before max_steps - decay_steps has the same lr whatever
+max_steps is. So a run with a higher max_steps continues from the last checkpoint before the decay
+(train/identity.py) and ends with the weights of a straight run of the longer config; annealed weights are
+never re-used at peak lr.
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ mid-run checkpoint must reproduce the final weights bit for bit.
 
 from __future__ import annotations
 
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -16,12 +18,14 @@ import torch
 from safetensors.torch import load_file
 
 from ..config import Config, save_resolved
+from ..data.budget import check_budget
 from ..errors import EnlaceError
 from ..estimate import preflight
-from ..hardware import check_device
 from ..io import atomic_write_json, atomic_write_text
+from ..runtime import check_device
 from . import dist as D
 from .checkpoint import list_checkpoints
+from .lock import run_dir_lock
 from .metrics import plot_loss, read_jsonl
 from .trainer import TrainResult, train
 
@@ -38,6 +42,8 @@ def _prepare(cfg: Config, run_dir: Path, fresh: bool) -> D.DistInfo:
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware profile"))
     # Memory preflight: a step that cannot fit fails now, with the micro-batch that does, not at step 1.
     preflight(cfg)
+    # Data budget: refuse a plan that would loop over the data more than data.max_epochs times.
+    print(check_budget(cfg, require_data=True).line(), file=sys.stderr)
     info = D.init_distributed(cfg.hardware.device, cfg.train.world_size)
     if info.is_main:
         if fresh and run_dir.exists():
@@ -101,8 +107,22 @@ def verify_resume(cfg: Config, run_dir: Path) -> tuple[bool, int]:
     return exact, int(mid.name.split("-")[1])
 
 
+def main_process() -> bool:
+    """Rank 0 under torchrun (the ranks share one run directory, so only rank 0 takes its lock)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
 def smoke(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
-    run_dir = Path(run_dir)
+    with run_dir_lock(run_dir, enabled=main_process()):
+        return _smoke(cfg, Path(run_dir), progress, fresh)
+
+
+def pretrain(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
+    with run_dir_lock(run_dir, enabled=main_process()):
+        return _pretrain(cfg, Path(run_dir), progress, fresh)
+
+
+def _smoke(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
     info = _prepare(cfg, run_dir, fresh)
     result = train(cfg, run_dir, progress=progress)
     if result.interrupted:
@@ -128,8 +148,7 @@ def smoke(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False
     return 0
 
 
-def pretrain(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
-    run_dir = Path(run_dir)
+def _pretrain(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
     info = _prepare(cfg, run_dir, fresh)
     result = train(cfg, run_dir, progress=progress)
     if result.interrupted:

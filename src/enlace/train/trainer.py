@@ -1,58 +1,60 @@
-"""The pretraining loop: one flat function, `train`, plus the small pieces it needs.
+"""The pretraining loop: `train`, read top to bottom, plus the small pieces it needs.
 
-Per optimizer step: set lr from the WSD schedule; for each micro-batch forward (under the hardware profile's
-autocast) and backward (DDP syncs gradients only on the last one); clip; step unless the loss or the gradient
-is non-finite; log; evaluate; checkpoint. Everything a resume needs is in the checkpoint, so a resumed run
-continues bit for bit (on CPU) where the uninterrupted one would be.
+Per optimizer step: take the lr from the WSD schedule, run `train_step` (accumulated forward/backward under
+the hardware profile's autocast, GradScaler, clip, skip on non-finite, AdamW), log, evaluate, checkpoint.
+Everything a resume needs is in the checkpoint (`TrainState`), so a resumed run continues bit for bit (on
+CPU) where the uninterrupted one would be. A checkpoint is only resumed by a run of the same identity
+(train/identity.py): changed params, data or code start a fresh run.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
-import os
-import random
 import signal
-import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..config.resolve import Config, _flatten, _hash
-from ..errors import CheckpointError, EnlaceError
-from ..hardware import autocast, sdpa_backend, setup_runtime
+from .. import model as model_module
+from ..config.resolve import Config
+from ..data import loaders as loaders_module
+from ..errors import EnlaceError
+from ..eval.val import evaluate
 from ..model import Llama
+from ..runtime import setup_runtime
 from . import dist as D
-from .checkpoint import (
-    clean_partial,
-    latest_checkpoint,
-    list_checkpoints,
-    load_model_tensors,
-    load_optimizer_tensors,
-    model_tensors,
-    optimizer_tensors,
-    save_checkpoint,
-)
+from . import optim as optim_module
+from . import schedule as schedule_module
+from . import step as step_module
+from .checkpoint import clean_partial, latest_checkpoint, list_checkpoints, save_checkpoint
+from .identity import RunIdentity, code_fingerprint, reconcile, weight_keys
 from .metrics import MetricsLog
-from .optim import build_optimizer, param_names
+from .optim import build_optimizer
 from .schedule import lr_at
+from .signals import SecondInterrupt, StopFlag, abandoned
+from .step import StepSettings, TrainState, make_scaler, seed_everything, train_step
 
-# Test seam: ENLACE_TEST_NAN_STEPS="3,4" multiplies the loss of those (0-based) optimizer steps by NaN,
-# to exercise the non-finite handling without a real divergence. Never set outside tests.
-NAN_STEPS_ENV = "ENLACE_TEST_NAN_STEPS"
-CHECKPOINT_FORMAT = 1
-# Config keys that must not change across a resume (dotted prefixes of the resolved config). Batch size per
-# micro-step and accumulation may change (the global batch is the same rows); hardware may change; max_steps
-# and the schedule may change (see schedule.py).
-RESUME_KEYS = {
-    "model": ("model",),
-    "data": ("data", "train.loader", "train.seed", "train.global_batch_size"),
-    "optimizer": ("train.optimizer",),
-}
+# Keys that provably do not change the weights: names, how often to log, evaluate and save, how many
+# checkpoints to keep, when to give up on a diverged run, what to do with an old run.
+CADENCE_KEYS = (
+    "model.name",
+    "train.name",
+    "data.name",
+    "train.log_every",
+    "train.eval_every",
+    "train.eval_batches",
+    "train.checkpoint",
+    "train.max_nonfinite_in_row",
+)
+# The source of these modules computes a step: editing any of them makes a new run identity.
+STEP_CODE = (model_module, step_module, optim_module, schedule_module, loaders_module)
+# A run's outputs besides its checkpoints, archived with them when a changed run starts fresh.
+RUN_FILES = ("metrics.jsonl", "metrics.json", "loss.png", "curves.csv")
 
 
 class NonFiniteError(EnlaceError):
@@ -78,139 +80,115 @@ class TrainResult:
         return {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}.get(self.interrupted or "", 0)
 
 
-# ---- seeds and RNG state ------------------------------------------------------------------------------
+# ---- run identity -------------------------------------------------------------------------------------
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
+def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIdentity:
+    d = cfg.to_dict()
+    keys = weight_keys({s: d[s] for s in ("model", "data", "train")}, CADENCE_KEYS)
+    keys.update(
+        {
+            "data.fingerprint": data_fingerprint,
+            "world_size": world_size,
+            "hardware.dtype": cfg.hardware.dtype,
+            "hardware.loss_scaler": cfg.hardware.loss_scaler,
+            "code": code_fingerprint(STEP_CODE),
+        }
+    )
+    return RunIdentity(keys, steps_key="train.max_steps")
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's RNG states as JSON (they go into meta.json, per rank)."""
-    py = random.getstate()
-    npst = np.random.get_state()
-    state = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [npst[0], npst[1].tolist(), int(npst[2]), int(npst[3]), float(npst[4])],
-        "torch": torch.get_rng_state().numpy().tobytes().hex(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device).numpy().tobytes().hex()
-    return state
+def decay_start(keys: dict[str, Any]) -> int:
+    """The first step whose learning rate depends on max_steps (WSD: the start of the decay)."""
+    return keys["train.max_steps"] - keys["train.schedule.decay_steps"]
 
 
-def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
-    n = state["numpy"]
-    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
-    torch.set_rng_state(torch.frombuffer(bytearray.fromhex(state["torch"]), dtype=torch.uint8))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(
-            torch.frombuffer(bytearray.fromhex(state["cuda"]), dtype=torch.uint8), device
-        )
-
-
-# ---- resume checks ------------------------------------------------------------------------------------
-
-
-def resume_view(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The resume-relevant keys of a resolved config, per section, flattened to dotted keys."""
-    flat = _flatten(config)
-    return {
-        section: {k: v for k, v in flat.items() if any(k == p or k.startswith(p + ".") for p in prefixes)}
-        for section, prefixes in RESUME_KEYS.items()
-    }
-
-
-def section_hashes(config: dict[str, Any]) -> dict[str, str]:
-    return {section: _hash(view) for section, view in resume_view(config).items()}
-
-
-def check_resume(cfg: Config, meta: dict[str, Any], fingerprint: str, world_size: int, path: Path) -> None:
-    """Refuse a resume that would not continue the same run, naming what differs."""
-    saved, now = resume_view(meta["config"]), resume_view(cfg.to_dict())
-    changes = []
-    for section in RESUME_KEYS:
-        a, b = saved[section], now[section]
-        for key in sorted(set(a) | set(b)):
-            if a.get(key) != b.get(key):
-                changes.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
-    if changes:
-        raise CheckpointError(
-            f"{path}: cannot resume, the model/data/optimizer config changed since this checkpoint: "
-            + "; ".join(changes)
-            + ". Restore the config or start a fresh run (--fresh, or another --run-dir)"
-        )
-    if meta.get("data_fingerprint") != fingerprint:
-        raise CheckpointError(
-            f"{path}: cannot resume, the training data changed (fingerprint {meta.get('data_fingerprint')} "
-            f"in the checkpoint, {fingerprint} now)"
-        )
-    if meta.get("world_size", 1) != world_size:
-        raise CheckpointError(
-            f"{path}: cannot resume, the checkpoint was written with world size {meta.get('world_size', 1)} "
-            f"and this run has world size {world_size}; exact resume needs the same number of processes"
-        )
-    if meta["step"] > cfg.train.max_steps:
-        raise CheckpointError(
-            f"{path}: cannot resume, the checkpoint is at step {meta['step']}, past train.max_steps "
-            f"{cfg.train.max_steps}; raise max_steps or start a fresh run"
-        )
-
-
-# ---- evaluation ---------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list, cfg: Config, device: torch.device) -> float:
-    """Mean cross-entropy (nats/token, without z-loss) over fixed validation batches."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        with autocast(cfg.hardware), sdpa_backend(cfg.hardware):
-            total += model(x, y).ce.item()
-    model.train(was_training)
-    return total / max(len(batches), 1)
-
-
-# ---- signals ------------------------------------------------------------------------------------------
-
-
-class StopFlag:
-    """SIGTERM/SIGINT ask the loop to finish the current step, checkpoint and return."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.signal is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: the user does not want to wait for the checkpoint
-        self.signal = signal.Signals(signum).name
-
-    def __enter__(self) -> StopFlag:
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                self._old[s] = signal.signal(s, self._handler)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
+def pinned_step(cfg: Config) -> int | None:
+    """The last step before the decay: its checkpoint is kept, so a longer run can start from it."""
+    s = cfg.train.max_steps - cfg.train.schedule.decay_steps  # decay_start() of this config
+    return s if 0 < s < cfg.train.max_steps else None
 
 
 # ---- the loop -----------------------------------------------------------------------------------------
 
 
-def build_model(cfg: Config, device: torch.device) -> Llama:
-    """Weights depend only on train.seed: the same seed gives the same initial model on any machine."""
+def init_model(cfg: Config, device: torch.device) -> Llama:
+    """A freshly initialised model (hf.build_model adopts loaded weights instead). The weights depend only
+    on train.seed: the same seed gives the same initial model on any machine."""
     seed_everything(cfg.train.seed)
     return Llama(cfg.model).to(device)
+
+
+def lm_forward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], accum: int):
+    """A micro-batch's share of the step loss, and of its cross-entropy and z-loss parts."""
+    x, y = batch
+    out = model(x, y)
+    return out.loss / accum, {"ce": out.ce / accum, "z_loss": out.z_loss / accum}
+
+
+def micro_batches(loader: Any, start_step: int, accum: int, device: torch.device) -> Iterator[Any]:
+    """The loader's micro-batches from start_step on, moved to the device (pinned, so the copy overlaps)."""
+    step = start_step
+    while True:
+        for micro in range(accum):
+            x, y = loader.get_batch(step, micro)
+            if device.type == "cuda":
+                x, y = x.pin_memory(), y.pin_memory()
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        step += 1
+
+
+def resume(state: TrainState, cfg: Config, run_dir: Path, ident: RunIdentity, info: D.DistInfo) -> int | None:
+    """Load the newest checkpoint this run may continue from; None when it starts fresh."""
+    ckpt_root = run_dir / "checkpoints"
+    if info.is_main:
+        clean_partial(ckpt_root)
+        why = reconcile(
+            run_dir, "checkpoints", ident, decay_start, RUN_FILES, cfg.train.checkpoint.on_identity_change
+        )
+        if why:
+            print(why, flush=True)
+    D.barrier(info)
+    fallback = cfg.train.checkpoint.fallback_on_corrupt
+    found = latest_checkpoint(ckpt_root, fallback, "cpu", "train.checkpoint.fallback_on_corrupt")
+    if found is None:
+        return None
+    _, tensors, meta = found
+    state.load_state_dict(tensors, meta, info.rank)
+    return state.step
+
+
+def save(state: TrainState, cfg: Config, run_dir: Path, ident: RunIdentity, info: D.DistInfo) -> None:
+    ranks = D.gather_objects(info, state.rank_state())
+    if info.is_main:
+        tensors, meta = state.state_dict(ranks)
+        t = cfg.train
+        meta.update(
+            {
+                "identity": ident.hash,
+                "identity_keys": ident.keys,
+                "lr": lr_at(t, state.step - 1) if state.step > 0 else 0.0,
+                "next_lr": lr_at(t, state.step),
+                "max_steps": t.max_steps,
+                "world_size": info.world_size,
+                "data_fingerprint": ident.keys["data.fingerprint"],
+                "config": cfg.to_dict(),
+                "config_hash": cfg.hash,
+            }
+        )
+        pinned = [s for s in (pinned_step(cfg),) if s is not None]
+        save_checkpoint(run_dir / "checkpoints", state.step, tensors, meta, t.checkpoint.keep_last, pinned)
+    D.barrier(info)
+
+
+def diverged(state: TrainState, cfg: Config, run_dir: Path) -> NonFiniteError:
+    n, done = state.nonfinite_in_row, list_checkpoints(run_dir / "checkpoints")
+    last = f"; the last good checkpoint is {done[-1]}" if done else "; no checkpoint was saved yet"
+    return NonFiniteError(
+        f"{n} non-finite losses/gradients in a row (steps {state.step - n + 1}..{state.step}, "
+        f"train.max_nonfinite_in_row={cfg.train.max_nonfinite_in_row}): the run diverged{last}. "
+        "Lower optimizer.lr or check the data"
+    )
 
 
 def train(
@@ -227,52 +205,32 @@ def train(
     loader/val_loader default to enlace.data.loaders.make_loader(cfg, "train"/"val"); tests pass their own.
     stop_after: checkpoint and return after that many steps (tests: a run interrupted at a known step).
     """
+    from tqdm import tqdm
+
     t, hw = cfg.train, cfg.hardware
     info = D.init_distributed(hw.device, t.world_size)
     device = setup_runtime(hw)
     run_dir = Path(run_dir)
-    ckpt_root = run_dir / "checkpoints"
     log = MetricsLog(run_dir / "metrics.jsonl", enabled=info.is_main)
-
     if loader is None or val_loader is None:
-        from ..data.loaders import make_loader
+        loader = loader or loaders_module.make_loader(
+            cfg, "train", rank=info.rank, world_size=info.world_size
+        )
+        val_loader = val_loader or loaders_module.make_loader(
+            cfg, "val", rank=info.rank, world_size=info.world_size
+        )
+    ident = run_identity(cfg, loader.fingerprint, info.world_size)
 
-        loader = loader or make_loader(cfg, "train", rank=info.rank, world_size=info.world_size)
-        val_loader = val_loader or make_loader(cfg, "val", rank=info.rank, world_size=info.world_size)
-
-    raw_model = build_model(cfg, device)
+    raw_model = init_model(cfg, device)
     seed_everything(t.seed + info.rank)  # per-rank streams after the shared init (dropout, if any)
     optimizer = build_optimizer(raw_model, t.optimizer, device.type)
-    names = param_names(optimizer)
-    scaler = torch.amp.GradScaler("cuda") if hw.loss_scaler else None
-    step, tokens, skipped, nonfinite_in_row, resumed_from = 0, 0, 0, 0, None
-
-    # Resume from the newest complete checkpoint, if any.
-    if info.is_main:
-        clean_partial(ckpt_root)
-    D.barrier(info)
-    found = latest_checkpoint(ckpt_root, t.checkpoint.fallback_on_corrupt, device="cpu")
-    if found is not None:
-        path, tensors, meta = found
-        check_resume(cfg, meta, loader.fingerprint, info.world_size, path)
-        load_model_tensors(raw_model, tensors["model"])
-        load_optimizer_tensors(optimizer, names, tensors["optimizer"], meta["optimizer_groups"])
-        if scaler is not None and meta.get("scaler"):
-            scaler.load_state_dict(meta["scaler"])
-        loader.load_state_dict(meta["loader"][info.rank])
-        set_rng_state(meta["rng"][info.rank], device)
-        c = meta["counters"]
-        step, tokens, skipped, nonfinite_in_row = (
-            meta["step"],
-            c["tokens"],
-            c["skipped"],
-            c["nonfinite_in_row"],
-        )
-        resumed_from = step
-        # The final evaluation comes after the last checkpoint: a run resumed at the target redoes it.
-        log.truncate_after(step, keep_val_at_step=step != t.max_steps)
-    else:
+    state = TrainState(raw_model, optimizer, make_scaler(device, hw), device, loader)
+    resumed_from = resume(state, cfg, run_dir, ident, info)
+    if resumed_from is None:
         log.reset()  # a log without any checkpoint belongs to a run that died before its first save
+    else:
+        # The final evaluation comes after the last checkpoint: a run resumed at the target redoes it.
+        log.truncate_after(resumed_from, keep_val_at_step=resumed_from != t.max_steps)
 
     model: torch.nn.Module = torch.compile(raw_model) if hw.compile else raw_model
     if info.enabled:
@@ -281,155 +239,87 @@ def train(
         model = DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None)
     model.train()
 
-    nan_steps = {int(s) for s in os.environ.get(NAN_STEPS_ENV, "").split(",") if s.strip()}
-    accum = t.grad_accum_steps
+    settings = StepSettings(t.grad_accum_steps, t.optimizer.grad_clip, hw, info)
+    forward = functools.partial(lm_forward, accum=t.grad_accum_steps)
+    next_batch = functools.partial(next, micro_batches(loader, state.step, t.grad_accum_steps, device))
+    batch = next_batch()
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
-    target = t.max_steps
     val_batches = val_loader.val_batches(t.eval_batches) if info.is_main else []
     bytes_per_token = float(getattr(val_loader, "bytes_per_token", 1.0))
     end_loss = val_loss = val_bpb = tok_s = None
     interrupted = None
 
-    def checkpoint() -> Path | None:
-        rngs = D.gather_objects(info, rng_state(device))
-        loader_states = D.gather_objects(info, loader.state_dict())
-        path = None
-        if info.is_main:
-            flat, groups = optimizer_tensors(optimizer, names)
-            meta = {
-                "format": CHECKPOINT_FORMAT,
-                "lr": lr_at(t, step - 1) if step > 0 else 0.0,
-                "next_lr": lr_at(t, step),
-                "max_steps": t.max_steps,
-                "world_size": info.world_size,
-                "optimizer_groups": groups,
-                "scaler": scaler.state_dict() if scaler is not None else None,
-                "rng": rngs,
-                "loader": loader_states,
-                "data_fingerprint": loader.fingerprint,
-                "config": cfg.to_dict(),
-                "config_hash": cfg.hash,
-                "section_hashes": section_hashes(cfg.to_dict()),
-                "counters": {"tokens": tokens, "skipped": skipped, "nonfinite_in_row": nonfinite_in_row},
-            }
-            tensors = {"model": model_tensors(raw_model), "optimizer": flat}
-            path = save_checkpoint(ckpt_root, step, tensors, meta, keep_last=t.checkpoint.keep_last)
-        D.barrier(info)
-        return path
+    bar = tqdm(
+        total=t.max_steps, initial=state.step, disable=not (progress and info.is_main), dynamic_ncols=True
+    )
+    last_time, last_tokens = time.perf_counter(), state.tokens
+    try:
+        with StopFlag() as stop:
+            while state.step < t.max_steps:
+                lr = lr_at(t, state.step)
+                out, batch = train_step(state, model, batch, next_batch, forward, lr, settings)
+                state.tokens += tokens_per_step
+                step, end_loss = state.step, out.loss
+                if state.nonfinite_in_row >= t.max_nonfinite_in_row:
+                    raise diverged(state, cfg, run_dir)
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=target, initial=step, disable=not (progress and info.is_main), dynamic_ncols=True)
-    last_time, last_tokens = time.perf_counter(), tokens
-    with StopFlag() as stop:
-        while step < target:
-            lr = lr_at(t, step)
-            for g in optimizer.param_groups:
-                g["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            loss_sum = torch.zeros((), device=device)
-            ce_sum = torch.zeros((), device=device)
-            z_sum = torch.zeros((), device=device)
-            for micro in range(accum):
-                x, y = loader.get_batch(step, micro)
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                # DDP all-reduces gradients on every backward unless told not to: only the last micro-step syncs.
-                sync = contextlib.nullcontext() if not info.enabled or micro == accum - 1 else model.no_sync()
-                with sync:
-                    with autocast(hw), sdpa_backend(hw):
-                        out = model(x, y)
-                        loss = out.loss / accum
-                        if step in nan_steps:
-                            loss = loss * float("nan")
-                    (scaler.scale(loss) if scaler is not None else loss).backward()
-                loss_sum += loss.detach()
-                ce_sum += out.ce.detach() / accum
-                z_sum += out.z_loss.detach() / accum
-
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-            clip = t.optimizer.grad_clip if t.optimizer.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip, foreach=True).item()
-            # One all-reduce for the logged numbers; every rank then takes the same skip decision.
-            step_loss, step_ce, step_z = D.mean_across(info, torch.stack([loss_sum, ce_sum, z_sum])).tolist()
-            if scaler is not None:
-                # GradScaler skips the update itself on inf/NaN gradients and lowers the scale.
-                scale_before = scaler.get_scale()
-                scaler.step(optimizer)
-                scaler.update()
-                ok = scaler.get_scale() >= scale_before and math.isfinite(step_loss)
-            else:
-                ok = math.isfinite(step_loss) and math.isfinite(grad_norm)
-                if ok:
-                    optimizer.step()
-            step += 1
-            tokens += tokens_per_step
-            if ok:
-                nonfinite_in_row = 0
-            else:
-                skipped += 1
-                nonfinite_in_row += 1
-                if nonfinite_in_row >= t.max_nonfinite_in_row:
-                    done = list_checkpoints(ckpt_root)
-                    last = (
-                        f"; the last good checkpoint is {done[-1]}"
-                        if done
-                        else "; no checkpoint was saved yet"
+                if info.is_main and (step == 1 or step % t.log_every == 0 or step == t.max_steps):
+                    now = time.perf_counter()
+                    tok_s = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
+                    last_time, last_tokens = now, state.tokens
+                    log.append(
+                        {
+                            "step": step,
+                            "loss": out.loss,
+                            **out.parts,
+                            "lr": out.lr,
+                            "grad_norm": out.grad_norm,
+                            "tokens": state.tokens,
+                            "tokens_per_s": round(tok_s, 1),
+                            "skipped": state.skipped,
+                        }
                     )
-                    raise NonFiniteError(
-                        f"{nonfinite_in_row} non-finite losses/gradients in a row (steps "
-                        f"{step - nonfinite_in_row + 1}..{step}, train.max_nonfinite_in_row="
-                        f"{t.max_nonfinite_in_row}): the run diverged{last}. Lower optimizer.lr or check the data"
-                    )
-            end_loss = step_loss
-
-            if info.is_main and (step == 1 or step % t.log_every == 0 or step == target):
-                now = time.perf_counter()
-                tok_s = (tokens - last_tokens) / max(now - last_time, 1e-9)
-                last_time, last_tokens = now, tokens
-                log.append(
-                    {
-                        "step": step,
-                        "loss": step_loss,
-                        "ce": step_ce,
-                        "z_loss": step_z,
-                        "lr": lr,
-                        "grad_norm": grad_norm,
-                        "tokens": tokens,
-                        "tokens_per_s": round(tok_s, 1),
-                        "skipped": skipped,
-                    }
+                bar.update(1)
+                bar.set_postfix(
+                    loss=f"{out.loss:.4f}", lr=f"{out.lr:.2e}", tok_s=f"{tok_s or 0:.0f}", refresh=False
                 )
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tok_s or 0:.0f}", refresh=False)
 
-            if info.is_main and t.eval_every and step % t.eval_every == 0 and step != target:
-                v = evaluate(raw_model, val_batches, cfg, device)
-                log.append({"step": step, "val_loss": v, "val_bpb": v / math.log(2) / bytes_per_token})
+                if info.is_main and t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
+                    v = evaluate(raw_model, val_batches, hw, device)
+                    log.append({"step": step, "val_loss": v, "val_bpb": v / math.log(2) / bytes_per_token})
 
-            stop_now = D.any_across(info, stop.signal is not None, device)
-            if step % t.checkpoint.every == 0 or step == target or stop_now or step == stop_after:
-                checkpoint()
-            if stop_now:
-                interrupted = stop.signal or "SIGTERM"  # another rank got the signal
-                break
-            if step == stop_after:
-                break
+                stop_now = D.any_across(info, stop.signal is not None, device)
+                due = step % t.checkpoint.every == 0 or step in (t.max_steps, stop_after, pinned_step(cfg))
+                if due or stop_now:
+                    save(state, cfg, run_dir, ident, info)
+                if stop_now:
+                    interrupted = stop.signal or "SIGTERM"  # another rank got the signal
+                    if info.is_main:
+                        print(
+                            f"stopped by {interrupted} at step {step}; checkpoint saved to "
+                            f"{list_checkpoints(run_dir / 'checkpoints')[-1]}. Rerun the same command to continue",
+                            flush=True,
+                        )
+                    break
+                if step == stop_after:
+                    break
+    except SecondInterrupt:
+        raise abandoned(state.step, list_checkpoints(run_dir / "checkpoints")) from None
     bar.close()
 
-    if step == target and info.is_main:
-        val_loss = evaluate(raw_model, val_batches, cfg, device)
+    if state.step == t.max_steps and info.is_main:
+        val_loss = evaluate(raw_model, val_batches, hw, device)
         val_bpb = val_loss / math.log(2) / bytes_per_token
-        log.append({"step": step, "val_loss": val_loss, "val_bpb": val_bpb})
+        log.append({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb})
     D.barrier(info)
     return TrainResult(
         run_dir=run_dir,
-        step=step,
+        step=state.step,
         end_loss=end_loss,
         val_loss=val_loss,
         val_bpb=val_bpb,
         tokens_per_s=tok_s,
-        skipped=skipped,
+        skipped=state.skipped,
         interrupted=interrupted,
         resumed_from=resumed_from,
     )

@@ -1,4 +1,5 @@
-"""Hardware profiles checked against the real device, and the runtime settings they imply."""
+"""The runtime side of a hardware profile (enlace.config.hardware): the device check, threads and
+determinism switches, autocast and the attention backend."""
 
 from __future__ import annotations
 

@@ -1,0 +1,240 @@
+"""Data stages at scale: fetch -> extract/clean -> dedup/split -> tokenizer -> shard on a synthetic corpus.
+
+Generates Spanish-like parquet files (random documents over a Spanish vocabulary with its function words, so
+the cleaning keeps them and dedup finds nothing), serves them from a local Hugging Face stand-in
+(tests/hub_server.py) and runs the real pipeline in a child process per task count, sampling the resident
+memory of the whole process tree. A benchmark, not a test:
+
+    python -m bench.bench_data --mib 256 --tasks 1 2
+
+Prints MB/s of input text per stage and the peak RSS (sum over the process tree) and writes
+bench/results/data.json. The goal (issue 13): peak under 2 GiB for a 10 GiB corpus.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+FUNCTION = "de la que el en y los del se las por un para con una su al lo como más pero sus le ya".split()
+CONTENT = (
+    "casa ciudad río montaña libro mesa camino puerta ventana pueblo barco jardín árbol historia tiempo "
+    "mundo gobierno año día vida parte forma caso país lugar agua tierra noche mujer hombre niño trabajo "
+    "grande pequeña antigua nueva roja verde tranquila oscura alegre lejana mira tiene busca encuentra "
+    "lleva cuenta abre cierra recuerda construye pinta vende escribe canta habla vive sale llega"
+).split()
+
+
+def make_parquet(folder: Path, mib: int, file_mib: int = 64, seed: int = 0) -> int:
+    """Write ~mib MiB of text as parquet files of ~file_mib MiB of text each. Returns the text bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    # 20,000 pseudo-words from Spanish syllables with Zipf-like frequencies, plus the function words the
+    # language filter counts (about a third of the running words, as in real Spanish prose).
+    syll = [
+        c + v
+        for c in ("", "b", "c", "d", "f", "g", "l", "m", "n", "p", "r", "s", "t", "ch", "ll")
+        for v in "aeiou"
+    ]
+    pseudo = sorted({"".join(rng.choice(syll, rng.integers(2, 5))) for _ in range(30000)})[:20000]
+    vocab = np.array(FUNCTION + CONTENT + pseudo)
+    weights = np.concatenate(
+        [np.full(len(FUNCTION), 0.35 / len(FUNCTION)), 0.65 / np.arange(2, len(CONTENT) + len(pseudo) + 2)]
+    )
+    weights[len(FUNCTION) :] *= 0.65 / weights[len(FUNCTION) :].sum()
+    weights /= weights.sum()
+    suffixes = np.array([""] * 8 + ["s", "es", "ado", "ción", "mente", "ista"])
+    total, i = 0, 0
+    folder.mkdir(parents=True, exist_ok=True)
+    while total < mib << 20:
+        texts = []
+        size = 0
+        while size < file_mib << 20 and total + size < mib << 20:
+            paras = []
+            for _ in range(rng.integers(3, 8)):
+                n = int(rng.integers(40, 120))
+                words = np.char.add(rng.choice(vocab, n, p=weights), rng.choice(suffixes, n))
+                paras.append(" ".join(words.tolist()).capitalize() + ".")
+            doc = "\n\n".join(paras)
+            texts.append(doc)
+            size += len(doc.encode())
+        pq.write_table(
+            pa.table({"id": [str(j) for j in range(len(texts))], "text": texts}), folder / f"{i:03d}.parquet"
+        )
+        total += size
+        i += 1
+    return total
+
+
+def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
+    """The pipeline, stage by stage, timed (runs in its own process so its memory can be measured)."""
+    from enlace.config.data import DataConfig, TokenizerConfig
+    from enlace.data.corpus import corpus_stages, work_items
+    from enlace.data.engine import run_stages
+    from enlace.data.shard import build_shards
+    from enlace.data.sources import Lock, fetch_source
+    from enlace.data.steps import raise_recorded_errors
+    from enlace.data.tokenize import build_tokenizer
+
+    data = DataConfig.model_validate(
+        {
+            "name": "bench",
+            "val_fraction": 0.01,
+            "cleaning": {"min_doc_chars": 200},
+            "executor": {"tasks": tasks, "workers": tasks},
+            "sources": [
+                {
+                    "name": "synth",
+                    "kind": "hf",
+                    "repo": "bench/es",
+                    "files": ["data/*.parquet"],
+                    "endpoint": endpoint,
+                    "extractor": "parquet",
+                }
+            ],
+        }
+    )
+    raw, out = work / f"raw{tasks}", work / f"corpus{tasks}"
+    import resource
+
+    times: dict[str, float] = {}
+    rss: dict[
+        str, float
+    ] = {}  # the child's own peak so far (MiB) after each stage; tasks run in other processes
+
+    def mark(stage: str) -> None:
+        rss[stage] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    t = time.perf_counter()
+    lock = Lock.load(work / f"lock{tasks}.json")
+    roots = {"synth": fetch_source(data.sources[0], raw, lock)}
+    lock.save()
+    times["fetch"] = time.perf_counter() - t
+    mark("fetch")
+    items = work_items(data, roots)
+    extract, rest = corpus_stages(data, items, raw / ".work", out, "bench")
+    t = time.perf_counter()
+    run_stages(extract, data.executor, work / "logs" / "extract")
+    raise_recorded_errors(raw / ".work")
+    times["extract+clean"] = time.perf_counter() - t
+    mark("extract+clean")
+    t = time.perf_counter()
+    run_stages(rest, data.executor, work / "logs" / "dedup")
+    raise_recorded_errors(raw / ".work")
+    times["dedup+split"] = time.perf_counter() - t
+    mark("dedup+split")
+    t = time.perf_counter()
+    # A fixed thread count: the tokenizer is trained once, not per task, and its threads change the model.
+    tok = TokenizerConfig(type="unigram", vocab_size=8192, input_sentence_size=200_000, num_threads=2)
+    build_tokenizer(tok, out, work / f"tok{tasks}")
+    times["tokenizer"] = time.perf_counter() - t
+    mark("tokenizer")
+    t = time.perf_counter()
+    m = build_shards(out, work / f"tok{tasks}", work / f"shards{tasks}", "uint16", 8192, 1 << 24, tasks=tasks)
+    times["shard"] = time.perf_counter() - t
+    mark("shard")
+    manifest_sha = (
+        __import__("hashlib").sha256((work / f"shards{tasks}" / "manifest.json").read_bytes()).hexdigest()
+    )
+    print(
+        json.dumps(
+            {
+                "seconds": times,
+                "self_peak_rss_mib_after": rss,
+                "mb_per_s": {k: text_bytes / 1e6 / v for k, v in times.items()},
+                "tokens": m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"],
+                "shard_manifest_sha256": manifest_sha,
+            }
+        )
+    )
+
+
+def tree_rss(pid: int) -> int:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        procs = [p, *p.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for q in procs:
+        try:
+            total += q.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mib", type=int, default=256, help="MiB of synthetic text")
+    ap.add_argument("--file-mib", type=int, default=64, help="MiB of text per parquet file")
+    ap.add_argument("--tasks", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--child", nargs=4, metavar=("WORK", "ENDPOINT", "TASKS", "BYTES"))
+    args = ap.parse_args()
+    if args.child:
+        work, endpoint, tasks, nbytes = args.child
+        child(Path(work), endpoint, int(tasks), int(nbytes))
+        return
+    sys.path.insert(0, str(ROOT / "tests"))
+    from hub_server import serve_hub
+
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp, serve_hub() as hub:
+        work = Path(tmp)
+        t = time.perf_counter()
+        text_bytes = make_parquet(work / "src", args.mib, args.file_mib)
+        files = {f"data/{p.name}": p.read_bytes() for p in sorted((work / "src").glob("*.parquet"))}
+        hub.publish("bench/es", files)
+        print(
+            f"generated {text_bytes / 2**20:.0f} MiB of text in {len(files)} parquet files "
+            f"({sum(map(len, files.values())) / 2**20:.0f} MiB) in {time.perf_counter() - t:.0f} s"
+        )
+        env = dict(os.environ, ENLACE_NO_PROGRESS="1", OMP_WAIT_POLICY="PASSIVE")
+        for tasks in args.tasks:
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.bench_data",
+                "--child",
+                str(work),
+                hub.url,
+                str(tasks),
+                str(text_bytes),
+            ]
+            errlog = open(work / f"child{tasks}.log", "w")  # noqa: SIM115 - closed after the wait
+            p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errlog, text=True)
+            peak = 0
+            while p.poll() is None:
+                peak = max(peak, tree_rss(p.pid))
+                time.sleep(0.2)
+            out = p.stdout.read() if p.stdout else ""
+            errlog.close()
+            if p.returncode != 0:
+                tail = (work / f"child{tasks}.log").read_text()[-3000:]
+                raise SystemExit(f"bench child with {tasks} tasks failed ({p.returncode}):\n{tail}")
+            r = json.loads(out.strip().splitlines()[-1])
+            r["peak_rss_mib"] = peak / 2**20
+            results[f"tasks_{tasks}"] = r
+            rates = ", ".join(f"{k} {v:.1f}" for k, v in r["mb_per_s"].items())
+            print(f"{tasks} task(s): MB/s of text: {rates}; peak RSS {peak / 2**20:.0f} MiB (process tree)")
+    summary = {"text_mib": text_bytes / 2**20, "cores": os.cpu_count(), "results": results}
+    out = ROOT / "bench" / "results" / "data.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

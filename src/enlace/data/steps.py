@@ -1,0 +1,374 @@
+"""Our corpus steps as datatrove pipeline steps: extract+clean per file, merge with exact dedup, finalize.
+
+Memory stays bounded: documents stream through, one file at a time; exact dedup keeps 8-byte hashes;
+near-dedup is datatrove's disk-based MinHash; caps keep two numbers per document of a capped source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from array import array
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from datatrove.data import Document
+from datatrove.pipeline.base import PipelineStep
+from datatrove.utils.word_tokenizers import WordTokenizer
+
+from ..config.data import CleaningConfig, DataConfig
+from ..errors import DataError
+from ..io import atomic_write_text, canonical_json
+from .clean import WORD, CleanStats, clean_document, normalized_key, split_long
+from .extract import iter_file
+from .util import log
+
+# Bump when extraction or cleaning changes what a file yields: per-file results under an old version are
+# not reused.
+STEP_VERSION = 2
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One input file of one source; `key` names its cleaned output (and changes with any input to it)."""
+
+    source: str
+    rel: str
+    path: str
+    kind: str
+    column: str
+    key: str
+
+
+def item_key(source: Any, rel: str, path: Path, kind: str, cleaning: CleaningConfig) -> str:
+    st = path.stat()
+    ident = {
+        "v": STEP_VERSION,
+        "source": source.name,
+        "kind": kind,
+        "column": source.text_column,
+        "cleaning": cleaning.model_dump(mode="json"),
+        "rel": rel,
+        # Fetched files never change in place (they are verified and renamed); local ones may.
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def docs_path(work: Path, key: str) -> Path:
+    return Path(work) / "docs" / key[:2] / f"{key}.jsonl"
+
+
+def fraction(tag: str, key: str) -> float:
+    """A number in [0, 1) from a document key and a purpose tag: split, caps and weights draw independently."""
+    return int(hashlib.sha256(f"{tag}:{key}".encode()).hexdigest()[:16], 16) / 2**64
+
+
+def record_error(work: Path, rank: int, err: Exception) -> None:
+    atomic_write_text(Path(work) / "errors" / f"{rank:05d}.txt", str(err))
+
+
+def raise_recorded_errors(work: Path) -> None:
+    """Steps record a DataError instead of raising it (datatrove would log a traceback); raise it here."""
+    folder = Path(work) / "errors"
+    msgs = sorted(folder.glob("*.txt")) if folder.exists() else []
+    if msgs:
+        raise DataError(msgs[0].read_text(encoding="utf-8"))
+
+
+class ExtractClean(PipelineStep):
+    """Extract and clean each input file into docs/<key>.jsonl; files are split among tasks by index.
+
+    A file whose output exists is skipped, so a killed fetch resumes at file granularity.
+    """
+
+    name = "enlace extract+clean"
+
+    def __init__(self, items: list[WorkItem], cleaning: CleaningConfig, work: Path):
+        super().__init__()
+        self.items, self.cleaning, self.work = items, cleaning, Path(work)
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        try:
+            for i, item in enumerate(self.items):
+                if i % world_size == rank:
+                    self._one(item)
+        except DataError as e:
+            record_error(self.work, rank, e)
+        yield from ()
+
+    def _one(self, item: WorkItem) -> None:
+        out = docs_path(self.work, item.key)
+        stats_file = out.with_suffix(".json")
+        if stats_file.exists():
+            return
+        out.parent.mkdir(parents=True, exist_ok=True)
+        stats = CleanStats()
+        counts: dict[str, Any] = {}
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for raw in iter_file(item.kind, Path(item.path), item.column, counts):
+                doc = clean_document(raw, self.cleaning, stats)
+                if doc is not None:
+                    f.write(json.dumps({"t": doc}, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        stats.replaced_bytes += counts.get("invalid_utf8", 0)
+        if counts.get("invalid_utf8"):
+            # Shown here, not only in the manifest: a file in another encoding or with stray bytes.
+            log(
+                f"extract: {item.source}: {item.rel}: {counts['invalid_utf8']} bytes were not UTF-8; "
+                f"read as {counts.get('encoding', 'utf-8')}"
+            )
+        os.replace(tmp, out)
+        # The stats file marks the item complete: written last.
+        atomic_write_text(stats_file, canonical_json(asdict(stats)))
+
+
+class MergeExact(PipelineStep):
+    """Read the cleaned files in a fixed order and drop exact and normalized duplicates (first one wins)."""
+
+    name = "enlace merge+exact dedup"
+
+    def __init__(self, items: list[WorkItem], work: Path, dedup: bool, stats_name: str = "merge.json"):
+        super().__init__()
+        self.items, self.work, self.dedup, self.stats_name = items, Path(work), dedup, stats_name
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        if rank != 0:
+            return
+        seen: set[int] = set()  # 8 bytes of each normalized key: ~70 bytes a document, no text
+        out: dict[str, dict[str, int]] = {}
+        n = 0
+        for item in self.items:
+            c = out.setdefault(item.source, {"docs": 0, "duplicates": 0})
+            with open(docs_path(self.work, item.key), encoding="utf-8") as f:
+                for line in f:
+                    text = json.loads(line)["t"]
+                    key = normalized_key(text)
+                    if self.dedup:
+                        h = int(key[:16], 16)
+                        if h in seen:
+                            c["duplicates"] += 1
+                            continue
+                        seen.add(h)
+                    c["docs"] += 1
+                    yield Document(text=text, id=str(n), metadata={"source": item.source, "key": key})
+                    n += 1
+        atomic_write_text(self.work / self.stats_name, canonical_json(out))
+
+
+class SpanishWords(WordTokenizer):
+    """Words as the cleaning filter sees them, for MinHash shingles (datatrove's own need spaCy or NLTK)."""
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return WORD.findall(text)
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [s for s in text.split("\n") if s]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        return [m.span() for m in WORD.finditer(text)]
+
+
+def _jsonl_line(source: str, key: str, text: str) -> str:
+    return json.dumps({"source": source, "doc": key[:16], "text": text}, ensure_ascii=False) + "\n"
+
+
+class _SplitWriter:
+    """Writes one split's JSONL under a temporary name, hashing and counting as it goes."""
+
+    def __init__(self, out: Path, split: str):
+        self.final = out / f"{split}.jsonl"
+        self.tmp = out / f".{split}.jsonl.tmp"
+        self.f = open(self.tmp, "w", encoding="utf-8")
+        self.h = hashlib.sha256()
+        self.docs = self.chars = self.bytes = 0
+
+    def write(self, source: str, key: str, text: str) -> None:
+        line = _jsonl_line(source, key, text)
+        self.f.write(line)
+        self.h.update(line.encode("utf-8"))
+        self.docs += 1
+        self.chars += len(text)
+        self.bytes += len(text.encode("utf-8"))
+
+    def close(self) -> dict[str, Any]:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return {
+            "file": self.final.name,
+            "docs": self.docs,
+            "chars": self.chars,
+            "bytes": self.bytes,
+            "sha256": self.h.hexdigest(),
+        }
+
+
+def cap_thresholds(
+    data: DataConfig, chars: dict[str, int], caps: dict[str, tuple[array, array]]
+) -> dict[str, float]:
+    """For each capped source, keep documents whose cap draw is below the returned threshold.
+
+    The limits are a fixed point (a capped source's allowance depends on the others' capped sizes). The
+    draw is a hash of the document independent of the split's, so a cap keeps val and train alike.
+    """
+    capped = {s.name: s.max_fraction for s in data.sources if s.max_fraction is not None}
+    limits = dict(chars)
+    for _ in range(50):
+        total = sum(limits.values())
+        new = dict(limits)
+        for name, frac in capped.items():
+            others = total - limits[name]
+            allowed = others * frac / (1 - frac) if frac < 1 else float("inf")
+            new[name] = min(chars[name], int(allowed))
+        if new == limits:
+            break
+        limits = new
+    out: dict[str, float] = {}
+    for name in capped:
+        if chars[name] <= limits[name]:
+            out[name] = 2.0  # above every draw: keep all
+            continue
+        draws, sizes = caps[name]
+        used, threshold = 0, 0.0
+        for u, n in sorted(zip(draws, sizes, strict=True)):
+            if used + n > limits[name]:
+                break
+            used += n
+            threshold = u
+        out[name] = threshold + 1e-18 if used else 0.0
+    return out
+
+
+class Finalize(PipelineStep):
+    """Caps, train/val split by parent document, long documents cut into pieces, corpus files + manifest.
+
+    Two passes over a spill file of the deduplicated stream: the first counts each source's characters
+    (the caps need the totals), the second writes. Every piece of a document goes to its parent's side.
+    """
+
+    name = "enlace caps+split+write"
+
+    def __init__(self, data: DataConfig, work: Path, out: Path, config_hash: str, items: list[WorkItem]):
+        super().__init__()
+        self.data, self.work, self.out, self.config_hash = data, Path(work), Path(out), config_hash
+        self.items = items
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        if rank != 0:
+            return
+        try:
+            self._run(data or iter(()))
+        except DataError as e:
+            record_error(self.work, rank, e)
+        yield from ()
+
+    def _run(self, docs: Any) -> None:
+        d = self.data
+        capped = {s.name for s in d.sources if s.max_fraction is not None}
+        chars = {s.name: 0 for s in d.sources}
+        received = {s.name: 0 for s in d.sources}
+        caps: dict[str, tuple[array, array]] = {n: (array("d"), array("q")) for n in capped}
+        spill = self.work / "deduped.jsonl"
+        with open(spill, "w", encoding="utf-8") as f:
+            for doc in docs:
+                src, key = doc.metadata["source"], doc.metadata["key"]
+                f.write(json.dumps({"s": src, "k": key, "t": doc.text}, ensure_ascii=False) + "\n")
+                chars[src] += len(doc.text)
+                received[src] += 1
+                if src in capped:
+                    caps[src][0].append(fraction("cap", key))
+                    caps[src][1].append(len(doc.text))
+        thresholds = cap_thresholds(d, chars, caps)
+        weights = {s.name: s.weight for s in d.sources}
+        self.out.mkdir(parents=True, exist_ok=True)
+        writers = {"train": _SplitWriter(self.out, "train"), "val": _SplitWriter(self.out, "val")}
+        per = {
+            s.name: {"docs": 0, "pieces": 0, "train_docs": 0, "val_docs": 0, "chars": 0, "train_chars": 0}
+            for s in d.sources
+        }
+        dropped = {s.name: 0 for s in d.sources}
+        digests = {s.name: hashlib.sha256() for s in d.sources}
+        cl = d.cleaning
+        with open(spill, encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                src, key, text = row["s"], row["k"], row["t"]
+                if src in thresholds and fraction("cap", key) >= thresholds[src]:
+                    dropped[src] += 1
+                    continue
+                pieces = [p for p in split_long(text, cl.max_doc_chars) if len(p) >= cl.min_doc_chars]
+                if not pieces:
+                    continue
+                p = per[src]
+                p["docs"] += 1
+                p["pieces"] += len(pieces)
+                p["chars"] += sum(len(x) for x in pieces)
+                digests[src].update(key.encode() + b"\n")
+                if fraction("split", key) < d.val_fraction:
+                    p["val_docs"] += len(pieces)
+                    for piece in pieces:
+                        writers["val"].write(src, key, piece)
+                    continue
+                # A fractional weight repeats a document once more when a third, independent draw says so.
+                w = weights[src]
+                times = int(w) + (1 if fraction("weight", key) < w - int(w) else 0)
+                for _ in range(times):
+                    for piece in pieces:
+                        writers["train"].write(src, key, piece)
+                        p["train_docs"] += 1
+                        p["train_chars"] += len(piece)
+        spill.unlink()
+        files = {split: w.close() for split, w in writers.items()}
+        if not files["train"]["docs"]:
+            for w in writers.values():
+                w.tmp.unlink(missing_ok=True)
+            raise DataError(f"data config {d.name}: the corpus is empty after cleaning and splitting")
+        merge = json.loads((self.work / "merge.json").read_text())
+        stats = self._clean_stats()
+        sources: dict[str, Any] = {}
+        for s in d.sources:
+            m = merge.get(s.name, {"docs": 0, "duplicates": 0})
+            sources[s.name] = {
+                "kind": s.kind,
+                "license": s.license,
+                "weight": s.weight,
+                "max_fraction": s.max_fraction,
+                **per[s.name],
+                "sha256": digests[s.name].hexdigest(),
+                "duplicates_dropped": m["duplicates"],
+                "near_duplicates_dropped": m["docs"] - received[s.name],
+                "capped_docs_dropped": dropped[s.name],
+                "cleaning": stats[s.name],
+            }
+        manifest = {
+            "name": d.name,
+            "config_hash": self.config_hash,
+            "val_fraction": d.val_fraction,
+            "sources": sources,
+            "splits": files,
+            "total": {
+                "docs": sum(s["docs"] for s in sources.values()),
+                "chars": sum(s["chars"] for s in sources.values()),
+                "train_chars": files["train"]["chars"],
+                "val_chars": files["val"]["chars"],
+            },
+        }
+        # The old corpus stays until the new one is complete; the manifest (the "complete" mark) goes last.
+        (self.out / "manifest.json").unlink(missing_ok=True)
+        for w in writers.values():
+            os.replace(w.tmp, w.final)
+        atomic_write_text(self.out / "manifest.json", canonical_json(manifest))
+
+    def _clean_stats(self) -> dict[str, dict[str, int]]:
+        out: dict[str, CleanStats] = {s.name: CleanStats() for s in self.data.sources}
+        for item in self.items:
+            st = json.loads(docs_path(self.work, item.key).with_suffix(".json").read_text())
+            out[item.source].add(CleanStats(**{k: v for k, v in st.items() if k != "extra"}))
+        return {k: {a: b for a, b in asdict(v).items() if a != "extra"} for k, v in out.items()}
