@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from enlace.train.testing import checkpoint_digests, loaders_for, synthetic_text, tiny_config
+from helpers import checkpoint_digests, loaders_for, synthetic_text, tiny_config
 
 from enlace import runtime
 from enlace.cli import main
