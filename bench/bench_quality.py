@@ -9,7 +9,6 @@ told apart into training and evaluation precision. Goal: bf16 within 1% of fp32.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import tempfile
@@ -20,10 +19,8 @@ import torch
 
 from bench.common import format_row, goal_row, write_result
 from enlace.config import load_config
-from enlace.data.loaders import make_loader
-from enlace.model import Llama
-from enlace.train.checkpoint import list_checkpoints, load_checkpoint, load_model_tensors
-from enlace.train.trainer import evaluate, train
+from enlace.eval.evaluate import load_trained_model, validation_metrics
+from enlace.train.trainer import train
 
 PROFILES = {"fp32": "cpu", "bf16": "cpu-bf16"}
 
@@ -61,12 +58,9 @@ def main() -> int:
             print(f"{precision} ({profile}): {res.step} steps, val bpb {res.val_bpb:.4f}", flush=True)
         # The bf16-trained weights evaluated in fp32: separates training precision from eval precision.
         ref = load_config("params.yaml", select={"hardware": "cpu"}, overrides=overrides)
-        val = make_loader(ref, "val")
-        tensors, _ = load_checkpoint(list_checkpoints(Path(tmp) / "bf16" / "checkpoints")[-1])
-        model = Llama(ref.model)
-        load_model_tensors(model, tensors["model"])
-        loss = evaluate(model, val.val_batches(ref.train.eval_batches), ref, torch.device("cpu"))
-        results["bf16"]["val_bpb_fp32_eval"] = loss / math.log(2) / float(val.bytes_per_token)
+        model, _, _ = load_trained_model(Path(tmp) / "bf16")
+        m = validation_metrics(model, ref, ref.train.eval_batches, torch.device("cpu"))
+        results["bf16"]["val_bpb_fp32_eval"] = m["val_bpb"]
     gap = results["bf16"]["val_bpb"] / results["fp32"]["val_bpb"] - 1
     row = goal_row(
         "val bpb of the default run, bf16 vs fp32 (|gap|)",
