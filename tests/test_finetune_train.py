@@ -101,6 +101,10 @@ def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
     saved = json.loads((tmp_path / "run" / "eval.json").read_text())
     assert saved["loss_after"] == r["loss_after"] and len(saved["answers"]) == 1
     assert set(saved["answers"][0]) == {"prompt", "base", "finetuned"}
+    # The answer checks and the loss goal, for the base model and the adapter.
+    assert {"looping", "distinct_2", "spanish", "loss_reduction", "goals_met"} <= set(saved)
+    assert set(saved["checks"]) == {"base", "finetuned"} and 0 <= saved["checks"]["base"]["looping"] <= 1
+    assert saved["loss_reduction"] == pytest.approx(1 - r["loss_after"] / r["loss_before"], abs=1e-3)
 
 
 def test_cli_flags_map_onto_finetune_config():
@@ -131,8 +135,9 @@ def test_chat_streams_replies_until_exit(setup):
     model, tok = load_for_generation(folder)
     out = io.StringIO()
     msgs = chat_repl(
-        model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5, temperature=0.0
-    )
+        model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5,
+        temperature=0.0, repetition_penalty=1.0, no_repeat_ngram=0,  # plain greedy: one line per reply
+    )  # fmt: skip
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
     lines = out.getvalue().split("\n")
     assert lines[0].strip() == msgs[1]["content"] and lines[1].strip() == msgs[3]["content"]

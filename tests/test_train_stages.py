@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import synthetic_text
 
 from enlace.cli import main
@@ -88,7 +89,10 @@ def test_eval_and_generate_on_the_trained_run(project, capsys):
     assert m["step"] == 40 and abs(m["val_bpb"] - m["val_loss"] / 0.6931471805599453) < 1e-4
     assert m["generate_tokens_per_s"] > 0 and f"bits/byte {m['val_bpb']:.4f}" in out
     samples = (project / "out/eval/samples.md").read_text()
-    assert all(f"**{p}**" in samples for p in ("La ciudad de", "Había una vez un"))
+    # Every prompt of params.yaml, its continuation, and the checkpoint that wrote it.
+    prompts = yaml.safe_load((project / "params.yaml").read_text())["eval"]["prompts"]
+    assert all(f"Prompt: «{p}»" in samples and f"**{p}**" in samples for p in prompts)
+    assert "checkpoints/step-00000040` (step 40)" in samples.splitlines()[0]
     assert (project / "out/eval/loss.png").stat().st_size > 1000
     # Sampling is seeded: the same command prints the same text.
     cmd = ["generate", "--model", "out/p", "--seed", "3", "--max-new-tokens", "12", "El sol"]

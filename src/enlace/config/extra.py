@@ -10,6 +10,8 @@ class GenerationConfig(Strict):
     temperature: StrictFloat = Field(default=0.8, ge=0)  # 0: greedy
     top_k: StrictInt = Field(default=50, ge=0)  # 0: off
     top_p: StrictFloat = Field(default=0.95, gt=0, le=1)
+    repetition_penalty: StrictFloat = Field(default=1.0, ge=1)  # 1: off
+    no_repeat_ngram: StrictInt = Field(default=0, ge=0)  # 0: off
     seed: StrictInt = 0
 
 

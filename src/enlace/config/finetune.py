@@ -10,10 +10,14 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 class FinetuneGeneration(Strict):
+    # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its
+    # checks measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
     max_new_tokens: StrictInt = Field(default=96, gt=0)
-    temperature: StrictFloat = Field(default=0.0, ge=0)  # 0: greedy, so answers are comparable across runs
+    temperature: StrictFloat = Field(default=0.7, ge=0)  # 0: greedy
     top_k: StrictInt = Field(default=0, ge=0)
-    top_p: StrictFloat = Field(default=1.0, gt=0, le=1)
+    top_p: StrictFloat = Field(default=0.9, gt=0, le=1)
+    repetition_penalty: StrictFloat = Field(default=1.1, ge=1)  # 1: off
+    no_repeat_ngram: StrictInt = Field(default=4, ge=0)  # 0: off
     seed: StrictInt = 0
 
 

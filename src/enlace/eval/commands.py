@@ -29,8 +29,11 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ..generate import decode_weights, generate
+    from ..generate import check_sampling, decode_weights, generate
 
+    check_sampling(  # before loading a model: a bad option costs nothing
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
+    )
     model_dir = Path(args.model)
     device = args.device
     if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():

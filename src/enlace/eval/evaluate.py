@@ -85,6 +85,8 @@ def sample_prompts(model: Llama, cfg: Config, device: torch.device) -> tuple[lis
                 temperature=g.temperature,
                 top_k=g.top_k,
                 top_p=g.top_p,
+                repetition_penalty=g.repetition_penalty,
+                no_repeat_ngram=g.no_repeat_ngram,
                 seed=g.seed + i,
                 eos_ids=codec.eos_ids,
                 device=device,
@@ -125,11 +127,17 @@ def run_eval(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "metrics.json", metrics)
+    g = cfg.eval.generation
     lines = [
-        f"# Samples from {ckpt.name} (temperature {cfg.eval.generation.temperature}, seed {cfg.eval.generation.seed})",
+        f"# Samples from `{ckpt}` (step {meta['step']})",
+        "",
+        f"Each prompt (params.yaml `eval.prompts`) continued by that checkpoint: temperature {g.temperature}, "
+        f"top-k {g.top_k}, top-p {g.top_p}, repetition penalty {g.repetition_penalty}, no-repeat "
+        f"{g.no_repeat_ngram}-gram, seed {g.seed} + prompt index, at most {g.max_new_tokens} new tokens.",
         "",
     ]
-    lines += [f"- **{s['prompt']}**{s['continuation']}" for s in samples]
+    for i, s in enumerate(samples, 1):
+        lines += [f"## {i}. Prompt: «{s['prompt']}»", "", f"**{s['prompt']}**{s['continuation']}", ""]
     (out_dir / "samples.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot_run(run_dir, out_dir / "loss.png", metrics)
     return {"metrics": metrics, "samples": samples}

@@ -106,16 +106,24 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    from ..generate import decode_weights
+    import sys
+
+    from ..generate import check_sampling, decode_weights
     from .chat import chat_repl, load_for_generation
 
+    sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
+    check_sampling(max_new_tokens=args.max_new_tokens, **sampling)  # before the model loads
+    if hasattr(sys.stdin, "reconfigure"):
+        # Bad bytes become lone surrogates line by line (a strict decoder fails a whole buffered chunk
+        # at once, naming the wrong line); chat_repl then refuses the line that holds them.
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     model, tok = load_for_generation(args.model, args.adapter)
     decode_weights(model, args.weights)
-    chat_repl(
-        model, tok, system=args.system, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-    )  # fmt: skip
+    chat_repl(model, tok, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
     return 0
+
+
+CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -173,9 +181,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--model", default=str(DEFAULT_OUT), help="model folder")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT layout)")
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top-k", dest="top_k", type=int, default=0)
-    p.add_argument("--top-p", dest="top_p", type=float, default=0.9)
+    # Defaults from finetune.chat.CHAT_SAMPLING, written out so `enlace --help` does not import torch.
+    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
+    p.add_argument("--top-k", dest="top_k", type=int, default=0, help="0: off (default)")
+    p.add_argument("--top-p", dest="top_p", type=float, default=0.9, help="1: off (default 0.9)")
+    p.add_argument(
+        "--repetition-penalty", dest="repetition_penalty", type=float, default=1.1,
+        help="divides the logits of tokens this reply already used; 1: off (default 1.1)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-repeat-ngram", dest="no_repeat_ngram", type=int, default=4,
+        help="never repeat an n-gram of tokens within a reply; 0: off (default 4)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=256)
     p.add_argument(

@@ -17,6 +17,8 @@ from ..io import iter_jsonl
 from ..model import IGNORE_INDEX
 from .tokenizer import HFTokenizer, Message
 
+ROLES = ("system", "user", "assistant")
+
 
 @dataclass
 class Example:
@@ -76,6 +78,10 @@ def read_conversations(
                 for m in msgs
             ):
                 raise DataError(f'{path}:{lineno}: expected {{"messages": [{{"role", "content"}}, ...]}}')
+            unknown = [m["role"] for m in msgs if m["role"] not in ROLES]
+            if unknown:
+                # A typo'd role would be rendered by the template and silently trained on as prompt text.
+                raise DataError(f"{path}:{lineno}: unknown chat role {unknown[0]!r}; use {', '.join(ROLES)}")
             if system and (not msgs or msgs[0]["role"] != "system"):
                 msgs = [{"role": "system", "content": system}, *msgs]
             out.append(msgs)

@@ -1,14 +1,18 @@
-"""`enlace finetune-eval`: held-out assistant-only loss without and with the adapter, and sample answers."""
+"""`enlace finetune-eval`: held-out assistant-only loss without and with the adapter, and sample answers
+with automatic checks (loops, distinct-2, language) on both."""
 
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
+from ..data.clean import EN_WORDS, ES_WORDS
 from ..errors import EnlaceError
 from ..io import atomic_write_json
 from ..runtime import setup_runtime
@@ -17,6 +21,55 @@ from .hf import load_hf_folder
 from .lora import load_adapter, set_merged
 from .loss import assistant_loss_sum
 from .tokenizer import HFTokenizer
+
+# Goals from the finetune issue: no looping answer, held-out loss at least 20% below the base model's.
+GOAL_LOSS_REDUCTION = 0.20
+TOKEN = re.compile(r"\w+|[^\w\s]")  # words and single punctuation marks
+WORD = re.compile(r"\w+")
+
+
+def loops(text: str) -> bool:
+    """Whether an answer degenerates into repetition.
+
+    Two signs, each absent from every human-written text in assets/ (386 responses and paragraphs):
+    a span of 2-20 tokens repeated three times in a row ("¿Por qué? ¿Por qué? ¿Por qué?"), or a
+    sequence of four words occurring three times anywhere (a loop with a longer period).
+    """
+    toks = [t.lower() for t in TOKEN.findall(text)]
+    for span in range(2, min(20, len(toks) // 3) + 1):
+        for i in range(len(toks) - 3 * span + 1):
+            if toks[i : i + span] == toks[i + span : i + 2 * span] == toks[i + 2 * span : i + 3 * span]:
+                return True
+    words = [w.lower() for w in WORD.findall(text)]
+    fours = Counter(tuple(words[i : i + 4]) for i in range(len(words) - 3))
+    return max(fours.values(), default=0) >= 3
+
+
+def distinct_2(texts: list[str]) -> float:
+    """Distinct word bigrams over all bigrams of all answers (Li et al. 2016); low means repetitive."""
+    grams = [
+        tuple(ws[i : i + 2])
+        for t in texts
+        for ws in [[w.lower() for w in WORD.findall(t)]]
+        for i in range(len(ws) - 1)
+    ]
+    return len(set(grams)) / len(grams) if grams else 0.0
+
+
+def is_spanish(text: str) -> bool:
+    """More Spanish than English function words: the corpus cleaner's vote, over a whole answer."""
+    words = [w.lower() for w in WORD.findall(text)]
+    return sum(w in ES_WORDS for w in words) > sum(w in EN_WORDS for w in words)
+
+
+def answer_checks(answers: list[str]) -> dict:
+    n = max(len(answers), 1)
+    return {
+        "looping": round(sum(map(loops, answers)) / n, 4),
+        "distinct_2": round(distinct_2(answers), 4),
+        "spanish": round(sum(map(is_spanish, answers)) / n, 4),
+        "mean_words": round(sum(len(WORD.findall(a)) for a in answers) / n, 1),
+    }
 
 
 @torch.no_grad()
@@ -46,6 +99,8 @@ def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> str:
             temperature=g.temperature,
             top_k=g.top_k,
             top_p=g.top_p,
+            repetition_penalty=g.repetition_penalty,
+            no_repeat_ngram=g.no_repeat_ngram,
             seed=g.seed,
             eos_ids=tok.eos_ids,
         )
@@ -67,6 +122,8 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
     after = heldout_loss(model, val, tok.pad_id)
     set_merged(model, True)  # same outputs, one matmul per projection while generating
     answers_after = [answer(model, tok, p, cfg) for p in cfg.eval_prompts]
+    reduction = (before - after) / before if before > 0 else 0.0
+    checks = {"base": answer_checks(answers_before), "finetuned": answer_checks(answers_after)}
     result = {
         "base_model": cfg.base_model,
         "adapter": str(adapter),
@@ -77,6 +134,14 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
         "ppl_before": round(math.exp(before), 3),
         "ppl_after": round(math.exp(after), 3),
         "improvement": round(before - after, 5),
+        "loss_reduction": round(reduction, 4),
+        # Flat copies of the adapter's checks, so `dvc metrics show` and `enlace report` list them.
+        "looping": checks["finetuned"]["looping"],
+        "distinct_2": checks["finetuned"]["distinct_2"],
+        "spanish": checks["finetuned"]["spanish"],
+        "goals_met": checks["finetuned"]["looping"] == 0 and reduction >= GOAL_LOSS_REDUCTION,
+        "checks": checks,
+        "generation": cfg.generation.model_dump(),
         "answers": [
             {"prompt": p, "base": a, "finetuned": b}
             for p, a, b in zip(cfg.eval_prompts, answers_before, answers_after, strict=True)
