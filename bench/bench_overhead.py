@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import goal_row, write_result
 from enlace.config import load_config
 from enlace.train.trainer import train
 
@@ -75,6 +75,11 @@ def main() -> int:
         "loader_fraction": loader / step_work,
         "trainer_overhead_fraction": rest / step_work,
     }  # fmt: skip
+    result["rows"] = [
+        goal_row("data loader share of the step", "enlace loader", "model step", 100 * result["loader_fraction"], "<=", 1.0, "%"),
+        goal_row("trainer's own share of the step", "enlace trainer", "model step",
+                 100 * result["trainer_overhead_fraction"], "<=", 2.0, "%", f"precision {cfg.hardware.dtype}"),
+    ]  # fmt: skip
     write_result("overhead", result)
     print(
         f"{STEPS} steps of the default run: model step {step_work:.2f} s, batch sampling {loader * 1000:.1f} ms, "

@@ -53,7 +53,7 @@ def bpb_table(m: dict) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ..generate import check_sampling, generate
+    from ..generate import check_sampling, decode_weights, generate
 
     check_sampling(  # before loading a model: a bad option costs nothing
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
@@ -92,6 +92,7 @@ def _generate(args: argparse.Namespace) -> int:
         def decode(new: list[int]) -> str:
             return continuation(codec, ids, new)
 
+    decode_weights(model, args.weights, device)
     sys.stdout.write(prefix)
     sys.stdout.flush()
     new: list[int] = []
@@ -180,6 +181,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "int8"),
+        help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only, CPU)",
+    )
     p.set_defaults(handler=_generate)
 
     p = sub.add_parser("report", help="print the pipeline's metrics and samples")

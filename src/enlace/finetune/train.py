@@ -39,7 +39,7 @@ from . import lora as lora_module
 from . import loss as loss_module
 from .data import batch_indices, collate, load_dataset
 from .hf import load_hf_folder
-from .lora import inject_lora, lora_parameters, save_adapter
+from .lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
 from .tokenizer import HFTokenizer
 
@@ -181,6 +181,8 @@ def _finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool, progress: bo
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
     model, tok, data = prepare(cfg, device)  # checks the base folder and the data file, naming them
+    if hw.dtype == "bf16":
+        cast_frozen_base(model)  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
     ident = run_identity(cfg, hw)
     rep = data.report()
     print(

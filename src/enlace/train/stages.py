@@ -71,6 +71,7 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
         "tokens": train_recs[-1]["tokens"] if train_recs else 0,
         "skipped_steps": result.skipped,
         "config_hash": cfg.hash,
+        "precision": cfg.hardware.dtype,  # resolved (cpu-auto: bf16 or fp32 by the CPU)
     }
     plot_loss(records, run_dir / "loss.png", title=f"{cfg.model.name} / {cfg.train.name}")
     write_curves(records, run_dir / "curves.csv")
