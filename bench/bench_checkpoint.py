@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.common import alternate, line, summary, write_result
+from bench.common import alternate, goal_row, line, summary, write_result
 from enlace.config import load_config
 from enlace.model import Llama
 from enlace.train.checkpoint import load_checkpoint, save_checkpoint
@@ -73,8 +73,10 @@ def main() -> int:
         shutil.rmtree(root, ignore_errors=True)
     print(f"checkpoint of {nbytes / 2**20:.0f} MiB (weights + AdamW moments)")
     print(line("load", load["enlace"], load["safetensors"], "safetensors"))
-    write_result("checkpoint", {"bytes": nbytes, "save": save, "load": load})
     ratio = save["enlace"]["median_s"] / save["safetensors"]["median_s"]
+    row = goal_row("checkpoint save, enlace time / bare time", "enlace atomic, checksummed", "bare safetensors save",
+                   ratio, "<=", 1.3, note=f"{nbytes / 2**20:.0f} MiB, weights + AdamW moments")  # fmt: skip
+    write_result("checkpoint", {"bytes": nbytes, "save": save, "load": load, "rows": [row]})
     print(
         line("save", save["enlace"], save["safetensors"], "safetensors")
         + f"; enlace/bare = {ratio:.2f}x (goal <= 1.3x)"

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.common import write_result
+from bench.common import goal_row, write_result
 from enlace.config import load_config
 from enlace.train.trainer import train
 
@@ -46,7 +46,7 @@ def main() -> int:
     stats = pstats.Stats(prof)
     total = cumulative(stats, "trainer.py:train")
     loader = cumulative(stats, "loaders.py:get_batch")
-    final_eval = cumulative(stats, "val.py:evaluate")
+    final_eval = cumulative(stats, "score.py:evaluate")
     # Forward calls inside the final evaluation are the eval's, not the training step's.
     forward = cumulative(stats, "module.py:_wrapped_call_impl") - final_eval
     model = forward + cumulative(stats, "_tensor.py:backward", "adamw.py:step")
@@ -62,7 +62,7 @@ def main() -> int:
         "trainer.py:resume",
         "optim.py:build_optimizer",
         "loaders.py:make_loader",
-        "loaders.py:val_batches",
+        "loaders.py:val_windows",
     )
     step_work = model + clip
     rest = total - step_work - loader - final_eval - checkpoint - setup
@@ -75,6 +75,11 @@ def main() -> int:
         "loader_fraction": loader / step_work,
         "trainer_overhead_fraction": rest / step_work,
     }  # fmt: skip
+    result["rows"] = [
+        goal_row("data loader share of the step", "enlace loader", "model step", 100 * result["loader_fraction"], "<=", 1.0, "%"),
+        goal_row("trainer's own share of the step", "enlace trainer", "model step",
+                 100 * result["trainer_overhead_fraction"], "<=", 2.0, "%", f"precision {cfg.hardware.dtype}"),
+    ]  # fmt: skip
     write_result("overhead", result)
     print(
         f"{STEPS} steps of the default run: model step {step_work:.2f} s, batch sampling {loader * 1000:.1f} ms, "

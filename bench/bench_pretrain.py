@@ -1,9 +1,13 @@
 """Pretraining step (forward, backward, clip, AdamW): ENLACE vs transformers' LlamaForCausalLM.
 
-Same shapes, same random tokens, same optimizer settings, fp32 on CPU. Both sides run the same math:
-for the comparison QK-norm and z-loss are off in ENLACE's model, since LlamaForCausalLM has neither.
-FLOPs per step: 6 * N * B * T + 12 * L * d * B * T^2, N = matmul weights (the tied embedding counted once),
-attention counted as if not causal. MFU is against the matmul peak measured in the same run.
+Same shapes, same random tokens, same optimizer settings, same precision on both sides: by default bf16
+autocast with fp32 master weights and AdamW state (the `cpu-bf16` profile), the CPU's native fast path;
+BENCH_PRECISIONS=fp32,bf16 adds the fp32 reference. For the comparison QK-norm and z-loss are off in
+ENLACE's model, since LlamaForCausalLM has neither. ENLACE's side runs the trainer's autocast and optimizer.
+
+FLOPs per step: enlace.gpu_check.train_flops_per_token (6 N + 12 L d T per token, attention counted
+non-causal). MFU is against the matmul peak of the same precision, measured robustly in the same run (best
+of several shapes and repeats, before and after the steps); an MFU above 100% fails the benchmark.
 """
 
 from __future__ import annotations
@@ -14,25 +18,37 @@ import sys
 
 import torch
 
-from bench.common import alternate, line, matmul_peak_gflops, summary, write_result
+from bench.common import (
+    alternate,
+    check_mfu,
+    format_row,
+    goal_row,
+    line,
+    matmul_peak_gflops,
+    peak_update,
+    summary,
+    write_result,
+)
 from enlace.config import load_config
 from enlace.config.hardware import HardwareConfig
 from enlace.estimate import train_flops_per_token
 from enlace.model import Llama
+from enlace.runtime import autocast
 from enlace.train.optim import build_optimizer
 from enlace.train.step import StepSettings, TrainState, make_scaler, train_step
 from enlace.train.trainer import lm_forward
 
 SHAPES = [
-    # (model config, seq_len, micro-batch)
+    # (model config, seq_len, micro-batch): the default run's shape and tiny-50m at seq 512
     ("cpu-small", 256, 16),
     ("tiny-50m", 512, 4),
     ("tiny-50m", 2048, 1),
 ]
+GOALS = {"eager": 1.25, "compiled": 1.0, "mfu": 0.5}
 
 
-def step_flops(cfg, batch: int, seq: int) -> float:
-    return train_flops_per_token(cfg, seq) * batch * seq
+def hw_for(precision: str) -> HardwareConfig:
+    return HardwareConfig(name=f"bench-{precision}", device="cpu", dtype=precision)
 
 
 def hf_model(cfg):
@@ -54,10 +70,9 @@ def hf_model(cfg):
     return LlamaForCausalLM(hf_cfg)
 
 
-def enlace_step(model, raw, optimizer, x, y):
-    """The trainer's own step (enlace.train.step.train_step): fp32, one micro-batch, clip at 1."""
+def enlace_step(model, raw, optimizer, x, y, hw: HardwareConfig):
+    """The trainer's own step (enlace.train.step.train_step) under `hw`'s autocast: one micro-batch, clip at 1."""
     cpu = torch.device("cpu")
-    hw = HardwareConfig(name="bench", device="cpu")
     state = TrainState(raw, optimizer, make_scaler(cpu, hw), cpu)
     settings = StepSettings(accum=1, grad_clip=1.0, hardware=hw)
     batch = (x, y)
@@ -66,13 +81,15 @@ def enlace_step(model, raw, optimizer, x, y):
     return lambda: train_step(state, model, batch, lambda: batch, forward, lr, settings)
 
 
-def make_step(model, optimizer, x, y, hf: bool):
+def make_step(model, optimizer, x, y, hf: bool, hw: HardwareConfig):
     def step():
         optimizer.zero_grad(set_to_none=True)
-        if hf:
-            loss = model(input_ids=x, labels=x).loss  # transformers shifts the labels itself
-        else:
-            loss = model(x, targets=y).loss
+        # Both sides under the same autocast (none for fp32): the trainer's, from the hardware profile.
+        with autocast(hw):
+            if hf:
+                loss = model(input_ids=x, labels=x).loss  # transformers shifts the labels itself
+            else:
+                loss = model(x, targets=y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -80,80 +97,101 @@ def make_step(model, optimizer, x, y, hf: bool):
     return step
 
 
-def bench_shape(
-    name: str, seq: int, batch: int, rounds: int, compile_too: bool, peak: float, train_cfg
-) -> dict:
+def bench_shape(name: str, seq: int, batch: int, precision: str, rounds: int, compile_too: bool, train_cfg):
     cfg = load_config("params.yaml", layers=("model",), select={"model": name}).model
     cfg = cfg.model_copy(update={"seq_len": seq, "qk_norm": False, "z_loss_weight": 0.0})
+    hw = hw_for(precision)
     torch.manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq + 1))
     x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     ours = Llama(cfg)
     peer = hf_model(cfg)
     peer.load_state_dict(ours.state_dict(), strict=False)  # same starting weights
+
+    def peer_opt(model):
+        return torch.optim.AdamW(model.parameters(), lr=train_cfg.optimizer.lr)
+
     contenders = {
-        "enlace": enlace_step(ours, ours, build_optimizer(ours, train_cfg.optimizer), x, y),
-        "transformers": make_step(
-            peer, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True
-        ),
+        "enlace": enlace_step(ours, ours, build_optimizer(ours, train_cfg.optimizer), x, y, hw),
+        "transformers": make_step(peer, peer_opt(peer), x, y, True, hw),
     }
     if compile_too:
         ours_c, peer_c = torch.compile(ours), torch.compile(peer)
         contenders["enlace-compiled"] = enlace_step(
-            ours_c, ours, build_optimizer(ours, train_cfg.optimizer), x, y
+            ours_c, ours, build_optimizer(ours, train_cfg.optimizer), x, y, hw
         )
-        contenders["transformers-compiled"] = make_step(
-            peer_c, torch.optim.AdamW(peer.parameters(), lr=train_cfg.optimizer.lr), x, y, hf=True
-        )
+        contenders["transformers-compiled"] = make_step(peer_c, peer_opt(peer), x, y, True, hw)
     times = alternate(contenders, rounds=rounds, warmup=2 if compile_too else 1)
     stats = {k: summary(v) for k, v in times.items()}
-    flops = step_flops(cfg, batch, seq)
+    flops = train_flops_per_token(cfg, seq) * batch * seq
     for s in stats.values():
         s["tokens_per_s"] = batch * seq / s["median_s"]
-        s["mfu"] = flops / s["median_s"] / (peak * 1e9)
-    best = min(
-        ("enlace", "enlace-compiled") if compile_too else ("enlace",), key=lambda k: stats[k]["median_s"]
+    label = f"{name} seq {seq} batch {batch} {precision}"
+    print(
+        line(f"pretrain {label} [eager]", stats["enlace"], stats["transformers"], "transformers"), flush=True
     )
-    label = f"pretrain {name} seq {seq} batch {batch}"
-    print(line(f"{label} [eager]", stats["enlace"], stats["transformers"], "transformers"))
     if compile_too:
         print(
             line(
-                f"{label} [{best} vs compiled]",
-                stats[best],
+                f"pretrain {label} [compiled]",
+                stats["enlace-compiled"],
                 stats["transformers-compiled"],
                 "transformers-compiled",
-            )
+            ),
+            flush=True,
         )
-    print("  MFU: " + ", ".join(f"{k} {v['mfu']:.0%}" for k, v in stats.items()))
-    return {
-        "shape": {"model": name, "seq": seq, "batch": batch},
-        "flops_per_step": flops,
-        "stats": stats,
-        "best": best,
-    }
+    return {"shape": {"model": name, "seq": seq, "batch": batch}, "precision": precision, "flops_per_step": flops,
+            "stats": stats}  # fmt: skip
 
 
 def main() -> int:
     rounds = int(os.environ.get("BENCH_ROUNDS", 3))
     compile_too = os.environ.get("BENCH_COMPILE", "1") != "0"
-    shapes = SHAPES[: int(os.environ.get("BENCH_SHAPES", len(SHAPES)))]
+    shapes = SHAPES[: int(os.environ.get("BENCH_SHAPES", 2))]
+    precisions = os.environ.get("BENCH_PRECISIONS", "bf16").split(",")
     train_cfg = load_config("params.yaml", layers=("train",)).train
-    peak = matmul_peak_gflops()
-    print(f"matmul peak: {peak:.0f} GFLOP/s on {torch.get_num_threads()} threads")
-    results = [bench_shape(n, s, b, rounds, compile_too, peak, train_cfg) for n, s, b in shapes]
-    write_result("pretrain", {"peak_gflops": peak, "rounds": rounds, "results": results})
-    worst_eager = min(
-        r["stats"]["transformers"]["median_s"] / r["stats"][r["best"]]["median_s"] for r in results
-    )
-    summary_line = f"pretrain: worst ratio vs transformers eager {worst_eager:.2f}x"
-    if compile_too:
-        worst_c = min(
-            r["stats"]["transformers-compiled"]["median_s"] / r["stats"][r["best"]]["median_s"]
-            for r in results
-        )
-        summary_line += f", vs transformers compiled {worst_c:.2f}x"
-    print(summary_line)
+    peaks = {p: matmul_peak_gflops(p) for p in precisions}
+    for p, pk in peaks.items():
+        print(f"matmul peak {p}: {pk['gflops']:.0f} GFLOP/s on {torch.get_num_threads()} threads", flush=True)
+    results = [
+        bench_shape(n, s, b, p, rounds, compile_too, train_cfg) for p in precisions for n, s, b in shapes
+    ]
+    # Measure again after the steps: the peak is the best seen in this run, so a busy moment cannot lower it.
+    for p in precisions:
+        peaks[p] = peak_update(peaks[p], matmul_peak_gflops(p))
+        print(f"matmul peak {p} (best of the run): {peaks[p]['gflops']:.0f} GFLOP/s", flush=True)
+    rows = []
+    for r in results:
+        p, st = r["precision"], r["stats"]
+        label = f"pretrain {r['shape']['model']} seq {r['shape']['seq']}"
+        for k, s in st.items():
+            s["mfu"] = check_mfu(
+                r["flops_per_step"] / s["median_s"] / (peaks[p]["gflops"] * 1e9), f"{label} {k}", peaks[p]
+            )
+        print(f"  MFU {label} {p}: " + ", ".join(f"{k} {v['mfu']:.0%}" for k, v in st.items()), flush=True)
+        best = min((k for k in st if k.startswith("enlace")), key=lambda k: st[k]["median_s"])
+        r["best"] = best
+        ours = f"{best.replace('-', ' ')} {p}"
+        ratio = st["transformers"]["median_s"] / st[best]["median_s"]
+        rows.append(goal_row(f"{label} step", ours, f"transformers eager {p}", ratio, ">=", GOALS["eager"]))
+        if compile_too:
+            ratio_c = st["transformers-compiled"]["median_s"] / st[best]["median_s"]
+            rows.append(
+                goal_row(
+                    f"{label} step", ours, f"transformers compiled {p}", ratio_c, ">=", GOALS["compiled"]
+                )
+            )
+        if p == "bf16":
+            rows.append(goal_row(f"{label} MFU vs bf16 peak", ours, f"peak {peaks[p]['gflops']:.0f} GFLOP/s",
+                                 st[best]["mfu"] * 100, ">=", GOALS["mfu"] * 100, "%"))  # fmt: skip
+    by = {(r["precision"], r["shape"]["model"], r["shape"]["seq"]): r for r in results}
+    for (p, model, seq), r in by.items():
+        if p == "bf16" and ("fp32", model, seq) in by:  # what native bf16 buys over the fp32 reference
+            speedup = by["fp32", model, seq]["stats"]["enlace"]["median_s"] / r["stats"]["enlace"]["median_s"]
+            print(f"  enlace eager bf16 / fp32 step, {model} seq {seq}: {speedup:.2f}x", flush=True)
+    write_result("pretrain", {"peaks": peaks, "rounds": rounds, "results": results, "rows": rows})
+    for row in rows:
+        print(format_row(row))
     return 0
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import goal_row
 from enlace.config.data import TokenizerConfig
 from enlace.data.shard import encode_stream
 from enlace.data.tokenize import EOS_ID, build_tokenizer
@@ -88,6 +89,10 @@ def main() -> dict:
         "mb_per_s": {k: mb / v for k, v in med.items()},
         "ratio": med["single"] / med["parallel"],
     }
+    result["rows"] = [
+        goal_row("shard throughput", f"enlace parallel ({workers} workers)", "sentencepiece, one process",
+                 result["ratio"], ">=", 1.7, note=f"{mb:.1f} MB of {source} text")
+    ]  # fmt: skip
     out = Path("bench/results/shard.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

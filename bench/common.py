@@ -51,12 +51,52 @@ def summary(seconds: list[float]) -> dict[str, float]:
     }
 
 
-def matmul_peak_gflops(n: int = 2048, repeats: int = 6) -> float:
-    """Practical fp32 matmul throughput on all threads: the reference for model FLOPs utilisation."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    best = min(timed(lambda: torch.mm(a, b)) for _ in range(repeats))
-    return 2 * n**3 / best / 1e9
+# Shapes (m, k, n) for the matmul peak: squares and the skinny products a training step is made of.
+PEAK_SHAPES = (
+    (1024, 1024, 1024),
+    (2048, 2048, 2048),
+    (3072, 3072, 3072),
+    (4096, 512, 1536),
+    (2048, 1536, 512),
+)
+PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def matmul_peak_gflops(precision: str = "fp32", repeats: int = 5) -> dict[str, Any]:
+    """Practical matmul throughput on all threads for one precision: the reference for MFU.
+
+    The best of several shapes and repeats, since one quick measurement on a shared machine comes out low
+    and makes MFU exceed 100%. Call it again later in the same run and keep the maximum (`peak_update`).
+    """
+    dtype = PEAK_DTYPES[precision]
+    best: dict[str, float] = {}
+    for m, k, n in PEAK_SHAPES:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        torch.mm(a, b)  # warm-up: first calls pick kernels and allocate
+        seconds = min(timed(lambda a=a, b=b: torch.mm(a, b)) for _ in range(repeats))
+        best[f"{m}x{k}x{n}"] = 2 * m * k * n / seconds / 1e9
+    return {"precision": precision, "gflops": max(best.values()), "by_shape": best, "repeats": repeats}
+
+
+def peak_update(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The higher of two peak measurements of the same precision, keeping every shape's best."""
+    by_shape = {k: max(old["by_shape"].get(k, 0.0), v) for k, v in new["by_shape"].items()}
+    return {
+        **old,
+        "gflops": max(by_shape.values()),
+        "by_shape": by_shape,
+        "measurements": old.get("measurements", 1) + 1,
+    }
+
+
+def check_mfu(mfu: float, what: str, peak: dict[str, Any]) -> float:
+    """MFU above 100% means the peak was measured too low: fail loudly instead of printing a wrong figure."""
+    if not 0 < mfu <= 1:
+        raise AssertionError(
+            f"{what}: MFU {mfu:.1%} against a {peak['precision']} peak of {peak['gflops']:.0f} GFLOP/s is "
+            "impossible; the peak measurement is wrong (a noisy neighbour during it?). Rerun the benchmark."
+        )
+    return mfu
 
 
 def machine() -> dict[str, Any]:
@@ -75,6 +115,53 @@ def line(name: str, ours: dict[str, float], peer: dict[str, float], peer_name: s
         f"{peer_name} {peer['median_s']:.3f}{unit} [{peer['min_s']:.3f}-{peer['max_s']:.3f}]  "
         f"ratio {ratio:.2f}x"
     )
+
+
+def goal_row(
+    what: str,
+    ours: str,
+    peer: str,
+    value: float,
+    op: str,
+    goal: float,
+    unit: str = "x",
+    note: str = "",
+) -> dict[str, Any]:
+    """One line of `make bench`'s table: a figure, its goal, and who (in which precision) is on each side.
+
+    ours/peer name the contender and its precision, e.g. "enlace bf16" vs "transformers eager bf16".
+    value is a ratio peer time / our time (unit "x") or a percentage (unit "%"); op is ">=" or "<=".
+    """
+    ok = value >= goal if op == ">=" else value <= goal
+    return {"what": what, "ours": ours, "peer": peer, "value": value, "op": op, "goal": goal, "unit": unit,
+            "ok": ok, "note": note}  # fmt: skip
+
+
+def fmt_value(value: float, unit: str) -> str:
+    return f"{value:.2f}x" if unit == "x" else f"{value:.2f}%" if unit == "%" else f"{value:.3g}{unit}"
+
+
+def format_row(r: dict[str, Any]) -> str:
+    goal = f"{r['op']} {fmt_value(r['goal'], r['unit'])}"
+    mark = "ok" if r["ok"] else "MISSED"
+    return f"{r['what']}: {r['ours']} vs {r['peer']}: {fmt_value(r['value'], r['unit'])} (goal {goal}) {mark}"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The rows as an aligned text table."""
+    head = ("figure", "ours", "peer", "value", "goal", "")
+    body = [
+        (r["what"], r["ours"], r["peer"], fmt_value(r["value"], r["unit"]),
+         f"{r['op']} {fmt_value(r['goal'], r['unit'])}", "ok" if r["ok"] else "MISSED")
+        for r in rows
+    ]  # fmt: skip
+    widths = [max(len(str(row[i])) for row in [head, *body]) for i in range(len(head))]
+    lines = [
+        "  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    notes = [f"  {r['what']}: {r['note']}" for r in rows if r.get("note")]
+    return "\n".join(lines + (["notes:", *notes] if notes else []))
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

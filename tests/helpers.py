@@ -62,7 +62,6 @@ class SyntheticLoader:
         self.rank, self.world_size = rank, world_size
         self.accum = global_batch_size // (micro_batch_size * world_size)
         self.fingerprint = hashlib.sha256(bytes(data)).hexdigest()[:16]
-        self.bytes_per_token = 1.0
 
     def _rows(self, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = offsets[:, None] + torch.arange(self.seq_len + 1)[None, :]
@@ -75,10 +74,11 @@ class SyntheticLoader:
         start = (self.rank * self.accum + micro_step) * self.micro
         return self._rows(offsets[start : start + self.micro])
 
-    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        g = torch.Generator().manual_seed(12345)
-        offsets = torch.randint(0, len(self.data) - self.seq_len - 1, (n, self.micro), generator=g)
-        return [self._rows(o) for o in offsets]
+    def val_windows(self, n: int):
+        from enlace.eval.score import spread_windows
+        from enlace.eval.token_bytes import TokenBytes
+
+        return spread_windows(self.data.numpy(), self.seq_len, n, TokenBytes.raw_bytes())
 
     def state_dict(self) -> dict[str, Any]:
         return {

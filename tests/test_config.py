@@ -41,7 +41,7 @@ INVALID = [
     ),
     (["train.grad_accum_steps=3"], "train", "global_batch_size"),
     (["hardware.dtype=fp16"], "hardware.loss_scaler", "needs a loss scaler"),
-    (["hardware.dtype=fp8"], "hardware.dtype", "'fp32', 'fp16' or 'bf16'"),
+    (["hardware.dtype=fp8"], "hardware.dtype", "'fp32', 'fp16', 'bf16' or 'auto'"),
     (["model.n_layer=zero"], "model.n_layer", "integer"),
     (["model.n_layer=0"], "model.n_layer", "greater than 0"),
     (["model.colour=blue"], "model.colour", "unknown key"),

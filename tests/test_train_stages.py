@@ -12,6 +12,7 @@ from enlace.cli import main
 from enlace.train.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
+PROSE = "Mañana iremos al mercado con la abuela; después comeremos todos juntos en el patio.\n" * 3
 TINY = [
     "--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "model.seq_len=32",
     "--set", "model.ffn_multiple_of=16", "--set", "hardware.num_threads=1",
@@ -32,6 +33,9 @@ def project(tmp_path, monkeypatch):
     docs = [text[i : i + 1000] for i in range(0, len(text), 1000)]
     for split, part in (("train", docs[:-10]), ("val", docs[-10:])):
         (corpus / f"{split}.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in part))
+    prose = tmp_path / "assets" / "eval" / "prosa-es.txt"  # the prose yardstick eval.prose names
+    prose.parent.mkdir(parents=True)
+    prose.write_text(PROSE, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -88,6 +92,7 @@ def test_eval_and_generate_on_the_trained_run(project, capsys):
     # Byte-level model: one token per byte, so bits per byte is the loss in bits.
     assert m["step"] == 40 and abs(m["val_bpb"] - m["val_loss"] / 0.6931471805599453) < 1e-4
     assert m["generate_tokens_per_s"] > 0 and f"bits/byte {m['val_bpb']:.4f}" in out
+    assert m["prose_bytes"] == len(PROSE.encode("utf-8")) and f"{m['prose_bpb']:.4f}" in out
     samples = (project / "out/eval/samples.md").read_text()
     # Every prompt of params.yaml, its continuation, and the checkpoint that wrote it.
     prompts = yaml.safe_load((project / "params.yaml").read_text())["eval"]["prompts"]

@@ -30,7 +30,12 @@ def _hardware_check(args: argparse.Namespace) -> int:
 
     cfg = load_cfg(args, layers=("hardware",))
     info = check_device(cfg.hardware, cfg.files["hardware"])
-    print(json.dumps({"profile": cfg.hardware.name, "ok": True, **info.to_dict()}, indent=2))
+    print(
+        json.dumps(
+            {"profile": cfg.hardware.name, "dtype": cfg.hardware.dtype, "ok": True, **info.to_dict()},
+            indent=2,
+        )
+    )
     return 0
 
 

@@ -39,6 +39,7 @@ from .config.hardware import HardwareConfig  # noqa: E402
 from .config.model import ModelConfig  # noqa: E402
 from .config.train import OptimizerConfig  # noqa: E402
 from .estimate import train_flops_per_token  # noqa: E402
+from .eval.score import Windows  # noqa: E402
 from .model import Llama, closed_form_num_parameters  # noqa: E402
 from .train.optim import build_optimizer  # noqa: E402
 from .train.step import StepSettings, TrainState, make_scaler, train_step  # noqa: E402
@@ -237,7 +238,6 @@ class RandomTokens:
     def __init__(self, vocab: int, seq_len: int, batch: int, seed: int = 0):
         self.vocab, self.seq_len, self.batch, self.seed = vocab, seq_len, batch, seed
         self.fingerprint = f"random-tokens-{vocab}-{seed}"
-        self.bytes_per_token = 1.0
 
     def _rows(self, key: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(key)
@@ -247,8 +247,10 @@ class RandomTokens:
     def get_batch(self, step: int, micro_step: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._rows(self.seed * 1_000_003 + step)
 
-    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [self._rows(-1 - i) for i in range(n)]
+    def val_windows(self, n: int) -> Windows:
+        g = torch.Generator().manual_seed(-1)
+        t = torch.randint(0, self.vocab, (n, self.seq_len + 1), generator=g)
+        return Windows(t[:, :-1].contiguous(), t[:, 1:].contiguous(), bytes=n * self.seq_len)  # no text
 
     def state_dict(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint}

@@ -256,55 +256,112 @@ def lm_loss(
 LOSS_CHUNK_ELEMENTS = 1 << 24
 
 
-class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Output head, cross-entropy and z-loss in chunks of rows, gradients computed on the way.
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype autocast would run a matmul on t in (t's own dtype outside autocast)."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
-    Same value and gradient as lm_loss(h @ W.T, ...), but the [N, vocab] logits exist one chunk at a
-    time: at vocab 32k they are the largest buffers of a training step. d loss / d logits is
-    keep/n * (softmax * (1 + 2 w log Z) - onehot(target)); the two matmuls that carry it back to h and W
-    run per chunk, so no recomputation is needed in backward.
+
+def _head_chunks(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    keep: torch.Tensor,
+    z_weight: float,
+    dtype: torch.dtype,
+    grad_scale: torch.Tensor | None = None,
+    grad_h: torch.Tensor | None = None,
+    grad_w: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the rows in chunks: the sums of ce and of log Z^2, and optionally the gradients.
+
+    The matmuls run in `dtype` (autocast's), with autocast off so that a pass in backward computes
+    exactly what the pass in forward did. With grad_scale, d loss/d logits of each row,
+    grad_scale * keep * (softmax * (1 + 2 w log Z) - onehot(target)), is built in fp32, cast to `dtype`
+    once and carried back into grad_h[rows] and into grad_w (an fp32 sum over chunks).
     """
-
-    @staticmethod
-    def forward(ctx, h, weight, targets, z_weight: float, need_grad_h: bool, need_grad_w: bool):
-        n_rows = h.shape[0]
-        keep = (targets != IGNORE_INDEX).float()
-        count = keep.sum().clamp_min(1.0)
-        chunk = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
-        ce_sum = h.new_zeros((), dtype=torch.float32)
-        z_sum = h.new_zeros((), dtype=torch.float32)
-        grad_h = torch.empty_like(h) if need_grad_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad_w else None
-        for s in range(0, n_rows, chunk):
-            hc, tc, kc = h[s : s + chunk], targets[s : s + chunk].clamp_min(0), keep[s : s + chunk]
-            logits = (hc @ weight.t()).float()
+    chunk = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
+    ce_sum = h.new_zeros((), dtype=torch.float32)
+    z_sum = h.new_zeros((), dtype=torch.float32)
+    w = weight.to(dtype)
+    with torch.autocast(h.device.type, enabled=False):
+        for s in range(0, h.shape[0], chunk):
+            hc, tc, kc = h[s : s + chunk].to(dtype), targets[s : s + chunk], keep[s : s + chunk]
+            logits = (hc @ w.t()).float()
             log_z = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(-1, tc.unsqueeze(-1)).squeeze(-1)
             ce_sum += ((log_z - target_logit) * kc).sum()
             z_sum += (log_z.pow(2) * kc).sum()
-            if need_grad_h or need_grad_w:
-                probs = logits.sub_(log_z.unsqueeze(-1)).exp_()  # softmax, in place of the logits
-                probs.mul_(((1.0 + 2.0 * z_weight * log_z) * kc / count).unsqueeze(-1))
-                probs.scatter_add_(-1, tc.unsqueeze(-1), (-kc / count).unsqueeze(-1))
-                g = probs.to(hc.dtype)
-                if need_grad_h:
-                    grad_h[s : s + chunk] = g @ weight.to(hc.dtype)
-                if need_grad_w:
-                    if g.dtype == grad_w.dtype:
-                        grad_w.addmm_(g.t(), hc)  # accumulate in place: no [vocab, d] temporary
-                    else:
-                        grad_w += (g.t() @ hc).float()
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+            if grad_scale is None:
+                continue
+            row_scale = grad_scale * kc
+            probs = logits.sub_(log_z.unsqueeze(-1)).exp_()  # softmax, in place of the logits
+            probs.mul_(((1.0 + 2.0 * z_weight * log_z) * row_scale).unsqueeze(-1))
+            probs.scatter_add_(-1, tc.unsqueeze(-1), (-row_scale).unsqueeze(-1))
+            g = probs.to(dtype)
+            if grad_h is not None:
+                grad_h[s : s + chunk] = g @ w
+            if grad_w is not None:
+                if g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.t(), hc)  # accumulate in place: no [vocab, d] temporary
+                else:
+                    grad_w += (g.t() @ hc).float()  # chunk sums in fp32: [vocab, d] partials add up
+    return ce_sum, z_sum
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Output head, cross-entropy and z-loss in chunks of rows, never materialising all logits.
+
+    Same value and gradient as lm_loss(h @ W.T, ...), but the [N, vocab] logits exist one chunk at a
+    time: at vocab 32k they are the largest buffers of a training step. d loss / d logits is
+    grad_loss * keep/n * (softmax * (1 + 2 w log Z) - onehot(target)).
+
+    Where it is built depends on the matmul dtype. In fp32 and bf16 (fp32's exponent range) it is built
+    in forward with grad_loss = 1 and the two matmuls that carry it back to h and W run on the way, so
+    backward only multiplies by grad_loss: no recomputation. In fp16 that would be wrong: values of
+    keep/n * softmax, around 1e-8 at 8192 rows and vocab 8192, are below fp16's normal range and the cast
+    before the matmul flushes them, so gradients came out up to 75% off. In fp16, backward therefore
+    recomputes each chunk's logits and builds d loss/d logits with the incoming grad_loss, which carries
+    GradScaler's scale, exactly as autograd through plain logits does: one extra head matmul, and the
+    same memory (h is kept instead of the finished grad_h).
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, z_weight: float, need_grad_h: bool, need_grad_w: bool):
+        keep = (targets != IGNORE_INDEX).float()
+        targets = targets.clamp_min(0)
+        count = keep.sum().clamp_min(1.0)
+        dtype = _compute_dtype(h)
+        eager = (need_grad_h or need_grad_w) and dtype != torch.float16
+        grad_h = torch.empty_like(h) if eager and need_grad_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if eager and need_grad_w else None
+        scale = 1.0 / count if eager else None
+        ce_sum, z_sum = _head_chunks(h, weight, targets, keep, z_weight, dtype, scale, grad_h, grad_w)
+        ctx.eager, ctx.dtype, ctx.z_weight, ctx.weight_dtype = eager, dtype, z_weight, weight.dtype
+        ctx.need = (need_grad_h, need_grad_w)
+        if eager:
+            ctx.save_for_backward(grad_h, grad_w)
+        else:
+            ctx.save_for_backward(h, weight, targets, keep)
         ce, z = ce_sum / count, z_sum / count
         ctx.mark_non_differentiable(ce, z)
         return ce + z_weight * z, ce, z
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_z):
-        grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
-        gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
+        if ctx.eager:
+            grad_h, grad_w = ctx.saved_tensors
+            gh = grad_h * grad_loss.to(grad_h.dtype) if grad_h is not None else None
+            gw = grad_w * grad_loss if grad_w is not None else None
+        else:
+            h, weight, targets, keep = ctx.saved_tensors
+            need_h, need_w = ctx.need
+            gh = torch.empty_like(h) if need_h else None
+            gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+            scale = grad_loss.float() / keep.sum().clamp_min(1.0)
+            _head_chunks(h, weight, targets, keep, ctx.z_weight, ctx.dtype, scale, gh, gw)
+        if gw is not None:
+            gw = gw.to(ctx.weight_dtype)
         return gh, gw, None, None, None, None
 
 

@@ -4,8 +4,10 @@ determinism switches, autocast and the attention backend."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,60 @@ class DeviceInfo:
         return asdict(self)
 
 
+# CPU instruction-set flags (as /proc/cpuinfo spells them) that give bf16 matmuls native kernels: AVX-512
+# BF16 dot products (Cooper Lake, Zen 4 and newer) or AMX tiles (Sapphire Rapids and newer). Without them
+# PyTorch still runs bf16, emulated by converting to fp32: slower than plain fp32 and no more exact.
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+CPUINFO = Path("/proc/cpuinfo")
+
+
+@functools.cache
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The instruction-set flags of the first CPU in /proc/cpuinfo (empty where there is none: not Linux)."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 / arm64 spelling
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_bf16_native(flags: frozenset[str] | None = None) -> str | None:
+    """The flag that makes bf16 native on this CPU, or None where bf16 would be emulated.
+
+    oneDNN (PyTorch's CPU matmul library) also needs PyTorch to dispatch its AVX-512 kernels: a build or an
+    ATEN_CPU_CAPABILITY capped at AVX2 runs bf16 the slow way whatever the CPU has.
+    """
+    flags = cpu_flags() if flags is None else flags
+    found = next((f for f in BF16_CPU_FLAGS if f in flags), None)
+    if found is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return None
+    return found
+
+
+def resolve_cpu_dtype(flags: frozenset[str] | None = None) -> str:
+    """The precision `dtype: auto` means on a CPU: bf16 where it is native, else the fp32 reference."""
+    return "bf16" if cpu_bf16_native(flags) else "fp32"
+
+
+def _check_cpu(hw: HardwareConfig, source: str) -> None:
+    if hw.dtype == "bf16" and cpu_bf16_native() is None:
+        cap = torch.backends.cpu.get_cpu_capability()
+        has = [f for f in BF16_CPU_FLAGS if f in cpu_flags()]
+        why = (
+            f"the CPU has {has[0]} but PyTorch dispatches {cap} kernels"
+            if has
+            else f"this CPU has neither {' nor '.join(BF16_CPU_FLAGS)} in /proc/cpuinfo"
+        )
+        raise HardwareError(
+            f"{source}: hardware.dtype: profile '{hw.name}' trains in bf16, which would be emulated here "
+            f"({why}): slower than fp32; use --hardware cpu (fp32) or cpu-auto"
+        )
+
+
 def _sdpa_backend_available(backend: str, cc: tuple[int, int]) -> bool:
     # Flash and cuDNN attention kernels exist for sm_80 and newer only; memory-efficient from sm_50.
     if backend in ("flash", "cudnn"):
@@ -38,7 +94,10 @@ def _sdpa_backend_available(backend: str, cc: tuple[int, int]) -> bool:
 def check_device(hw: HardwareConfig, source: str = "hardware profile") -> DeviceInfo:
     """Fail at once, with one line naming the profile, if the device cannot run it as configured."""
     if hw.device == "cpu":
-        return DeviceInfo("cpu", "cpu", None, None, torch.__version__, None)
+        _check_cpu(hw, source)
+        bf16 = cpu_bf16_native()
+        name = f"cpu ({torch.backends.cpu.get_cpu_capability()}, bf16 {'native: ' + bf16 if bf16 else 'emulated'})"
+        return DeviceInfo("cpu", name, None, None, torch.__version__, None)
     where = f"{source}: hardware.device"
     if not torch.cuda.is_available():
         built = torch.version.cuda or "CPU only"

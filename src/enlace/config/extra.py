@@ -17,5 +17,8 @@ class GenerationConfig(Strict):
 
 class EvalConfig(Strict):
     batches: StrictInt = Field(default=16, gt=0)
+    # The prose yardstick: everyday Spanish never used in training, scored in full by every model.
+    prose: str = "assets/eval/prosa-es.txt"
+    prose_context: StrictInt = Field(default=1024, gt=1)  # window cap in tokens (SmolLM2 could take 8192)
     prompts: list[str] = ["La ciudad de", "Había una vez", "El sol sale por"]
     generation: GenerationConfig = GenerationConfig()

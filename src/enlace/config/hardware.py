@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, StrictBool, StrictFloat, StrictInt
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from .base import Strict
 
@@ -10,7 +10,9 @@ from .base import Strict
 class HardwareConfig(Strict):
     name: str
     device: Literal["cpu", "cuda"]
-    dtype: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # "auto" (CPU only) resolves when the config is read: bf16 where the CPU runs it natively (avx512_bf16
+    # or AMX), else fp32. The resolved value is what the config, its hash and every checkpoint record.
+    dtype: Literal["fp32", "fp16", "bf16", "auto"] = "fp32"
     # fp16 has too little range for gradients: it needs a loss scaler.
     loss_scaler: StrictBool = False
     # The lowest compute capability the profile's kernels and dtype need, e.g. [7, 5] for Turing.
@@ -24,3 +26,14 @@ class HardwareConfig(Strict):
     num_threads: StrictInt | None = Field(default=None, ge=1)
     # Deterministic algorithms (bit-exact reruns); costs some speed on GPU.
     deterministic: StrictBool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_auto(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("dtype") == "auto":
+            if data.get("device") != "cpu":
+                raise ValueError("dtype: auto is for device cpu; a GPU profile names its dtype")
+            from ..runtime import resolve_cpu_dtype  # detection lives beside the device checks
+
+            data = {**data, "dtype": resolve_cpu_dtype()}
+        return data

@@ -11,14 +11,18 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from .. import paths
 from ..errors import DataError
+from ..eval.token_bytes import TokenBytes
 from ..io import iter_jsonl, sha256_file
+
+if TYPE_CHECKING:
+    from ..eval.score import Windows
 
 
 class _Tokens:
@@ -85,8 +89,8 @@ class _Loader:
     def fingerprint(self) -> str:
         raise NotImplementedError
 
-    @property
-    def bytes_per_token(self) -> float:
+    def token_bytes(self) -> TokenBytes:
+        """UTF-8 bytes per token id: the denominator of bits per byte."""
         raise NotImplementedError
 
     def tokens(self, split: str | None = None) -> _Tokens:
@@ -123,21 +127,13 @@ class _Loader:
         starts = self.offsets(step)[first : first + self.micro_batch_size]
         return self._rows(self.tokens(), starts)
 
-    def val_batches(self, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Up to n batches of consecutive, non-overlapping windows from the start of the val split."""
+    def val_windows(self, n: int) -> Windows:
+        """n windows of seq_len targets spread evenly over the whole val split (all of it when n covers
+        it), with the UTF-8 bytes their targets stand for. The same for every rank and every call."""
+        from ..eval.score import spread_windows
+
         data = self.tokens("val")
-        windows = (data.size - 1) // self.seq_len
-        n = min(n, windows // self.micro_batch_size)
-        if n <= 0:
-            raise DataError(
-                f"{self.root}: the val split ({data.size} tokens) holds less than one batch of "
-                f"{self.micro_batch_size} x {self.seq_len}"
-            )
-        out = []
-        for b in range(n):
-            starts = (np.arange(self.micro_batch_size) + b * self.micro_batch_size) * self.seq_len
-            out.append(self._rows(data, starts))
-        return out
+        return spread_windows(data, self.seq_len, n, self.token_bytes())
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -181,9 +177,8 @@ class ByteLoader(_Loader):
                 self._fp = hashlib.sha256(blob).hexdigest()
         return self._fp
 
-    @property
-    def bytes_per_token(self) -> float:
-        return 1.0
+    def token_bytes(self) -> TokenBytes:
+        return TokenBytes.raw_bytes()
 
     def _open(self, split: str) -> _Tokens:
         src = self.root / f"{split}.jsonl"
@@ -225,10 +220,17 @@ class ShardLoader(_Loader):
     def fingerprint(self) -> str:
         return hashlib.sha256(self._manifest_blob).hexdigest()
 
-    @property
-    def bytes_per_token(self) -> float:
-        val = self.manifest["splits"]["val"]
-        return val["bytes"] / val["tokens"] if val["tokens"] else 1.0
+    def token_bytes(self) -> TokenBytes:
+        """From the tokenizer that encoded the shards (data/tokenizer beside data/shards), checked by sha256."""
+        path = self.root.parent / "tokenizer" / "tokenizer.model"
+        if not path.exists():
+            raise DataError(f"{path}: not found; bits per byte needs the tokenizer of {self.root}")
+        expected = self.manifest.get("tokenizer_sha256")
+        if expected and sha256_file(path) != expected:
+            raise DataError(
+                f"{path}: not the tokenizer that encoded {self.root} (sha256 differs from the manifest)"
+            )
+        return TokenBytes.sentencepiece(path)
 
     def _open(self, split: str) -> _Tokens:
         parts = []

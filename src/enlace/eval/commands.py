@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,23 +14,46 @@ from ..errors import EnlaceError
 
 def _eval(args: argparse.Namespace) -> int:
     from ..cli import load_cfg
-    from .evaluate import run_eval
+    from .evaluate import read_prose, run_eval, score_model_dir
 
     cfg = load_cfg(args)
+    if args.prose:
+        cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": args.prose}))
+    if args.model_dir:
+        # One model folder, ours or Hugging Face's: print its figures, write nothing.
+        from ..hardware import setup_runtime
+
+        device = setup_runtime(cfg.hardware)
+        m = score_model_dir(Path(args.model_dir), cfg, device, read_prose(Path(cfg.eval.prose)))
+        print(json.dumps(m, indent=2, sort_keys=True))
+        return 0
     result = run_eval(cfg, Path(args.run_dir), Path(args.out))
     m = result["metrics"]
     print(json.dumps(m, indent=2, sort_keys=True))
-    print(f"\nval loss {m['val_loss']:.4f}  ppl {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}", end="")
-    if m.get("smoke_val_bpb") is not None:
-        print(f"  (byte-level smoke model: {m['smoke_val_bpb']:.4f})", end="")
-    print()
+    print(f"\nval loss {m['val_loss']:.4f}  ppl {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}")
+    print(bpb_table(m))
     for s in result["samples"]:
         print(f"> {s['prompt']}{s['continuation']}")
     return 0
 
 
+def bpb_table(m: dict) -> str:
+    """Bits per byte of the run and the reference models, on val and on the prose yardstick."""
+    rows = [("this run", m.get("val_bpb"), m.get("prose_bpb"))]
+    rows += [(name, m.get(f"{name}_val_bpb"), m.get(f"{name}_prose_bpb")) for name in ("smoke", "smollm2")]
+    lines = [
+        f"bits per byte      val      prose ({m.get('prose_file', 'eval.prose')}, {m.get('prose_bytes')} bytes)"
+    ]
+    for name, val, prose in rows:
+        if val is None and prose is None:
+            continue
+        fmt = lambda v: f"{v:.4f}" if v is not None else "   -  "  # noqa: E731
+        lines.append(f"  {name:<14} {fmt(val):>8} {fmt(prose):>8}")
+    return "\n".join(lines)
+
+
 def _generate(args: argparse.Namespace) -> int:
-    from ..generate import check_sampling, generate
+    from ..generate import check_sampling, decode_weights, generate
 
     check_sampling(  # before loading a model: a bad option costs nothing
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
@@ -80,6 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise EnlaceError(
             "the prompt is empty and the model has no start token to continue from; give a prompt"
         )
+    decode_weights(model, args.weights, device)
     sys.stdout.write(prefix)
     sys.stdout.flush()
     new: list[int] = []
@@ -125,6 +150,8 @@ def _report(args: argparse.Namespace) -> int:
                     f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(flat.items())
                 )
             )
+            if name == "eval" and "prose_bpb" in data:
+                print(bpb_table(data))
     samples = paths.RUNS / "eval" / "samples.md"
     if samples.exists():
         print(f"== samples ({samples})")
@@ -142,6 +169,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument(
         "--out", default=str(paths.RUNS / "eval"), help="where metrics.json, samples.md, loss.png go"
     )
+    p.add_argument(
+        "--model-dir",
+        default=None,
+        help="score only this folder (a run such as runs/smoke, or a Hugging Face folder): val and prose "
+        "bits per byte, printed, nothing written",
+    )
+    p.add_argument("--prose", default=None, help="the prose text to score (default: eval.prose)")
     p.set_defaults(handler=_eval)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained or imported model")
@@ -159,6 +193,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "int8"),
+        help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only, CPU)",
+    )
     p.set_defaults(handler=_generate)
 
     p = sub.add_parser("report", help="print the pipeline's metrics and samples")

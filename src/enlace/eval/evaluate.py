@@ -1,14 +1,17 @@
-"""The eval stage: validation loss, perplexity, bits per byte, throughput and sampled continuations.
+"""The eval stage: validation loss, perplexity, bits per byte, the prose yardstick, throughput, samples.
 
-Bits per byte divides the validation cross-entropy (in bits) by the UTF-8 bytes the tokens stand for, so a
-byte-level model and a sentencepiece model of any vocabulary land on the same scale.
+Bits per byte divides the cross-entropy (in bits) of the scored tokens by the exact UTF-8 bytes those tokens
+stand for, so a byte-level model and a sentencepiece or BPE model of any vocabulary land on the same
+scale. The prose yardstick (eval.prose, everyday Spanish never used in training) is one text every model
+scores in full: the run, the byte-level smoke model and SmolLM2-135M-Instruct (on its own tokenizer).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +19,15 @@ import torch
 
 from .. import paths
 from ..config import Config, ModelConfig
-from ..errors import CheckpointError
+from ..config.resolve import LAYERS
+from ..errors import CheckpointError, EnlaceError
 from ..generate import generate
 from ..io import atomic_write_json
 from ..model import Llama
-from ..runtime import autocast, check_device, sdpa_backend, setup_runtime
-from ..text import codec_for, continuation
+from ..runtime import check_device, setup_runtime
+from ..text import SentencePieceCodec, codec_for, continuation
+from .score import evaluate, precision, sliding_windows
+from .token_bytes import TokenBytes
 
 
 def load_trained_model(
@@ -43,30 +49,122 @@ def load_trained_model(
     return model.to(device).eval(), meta, path
 
 
-@torch.no_grad()
-def validation_metrics(model: Llama, cfg: Config, batches: int, device: torch.device) -> dict[str, float]:
+@dataclass
+class Scorer:
+    """A model with what scoring text needs: its tokenizer as ids and the bytes each token stands for."""
+
+    name: str
+    model: torch.nn.Module
+    encode: Callable[[str], list[int]]  # one document, after a one-token separator that is context only
+    token_bytes: TokenBytes
+    config: Config | None = None  # our runs: the config they were trained with (val split, batch size)
+    meta: dict[str, Any] | None = None  # our runs: the checkpoint's meta.json
+
+
+def load_scorer(model_dir: Path, hw: Any, device: torch.device) -> Scorer:
+    """Our run folder (its latest checkpoint) or a Hugging Face folder (e.g. the imported SmolLM2)."""
+    model_dir = Path(model_dir)
+    if (model_dir / "config.json").exists() and not (model_dir / "checkpoints").is_dir():
+        from ..finetune.hf import load_hf_folder
+        from ..finetune.tokenizer import HFTokenizer
+
+        model = load_hf_folder(model_dir, device=device)
+        tok = HFTokenizer(model_dir)
+        # The document separator of its pretraining where the vocabulary has one, else bos or eos.
+        sep = next(i for i in (tok.token_id("<|endoftext|>"), tok.bos_id, tok.eos_id, 0) if i is not None)
+        return Scorer(
+            str(model_dir),
+            model,
+            lambda t: [sep, *tok.encode(t, add_special_tokens=False)],
+            TokenBytes.hugging_face(model_dir / "tokenizer.json"),
+        )
+    model, meta, ckpt = load_trained_model(model_dir, device)
+    saved = meta["config"]
+    layers = {k: LAYERS[k].model_validate(v) for k, v in saved.items() if k in LAYERS and k != "hardware"}
+    cfg = Config(layers={**layers, "hardware": hw}, provenance={}, files={})
+    if cfg.train.loader == "bytes":
+        # Documents are joined by blank lines in the byte stream: a text starts after a newline.
+        encode = lambda t: [10, *t.encode("utf-8")]  # noqa: E731
+        return Scorer(str(ckpt), model, encode, TokenBytes.raw_bytes(), cfg, meta)
+    sp_file = paths.TOKENIZER / "tokenizer.model"
+    codec = SentencePieceCodec(sp_file)  # encode() starts with EOS, as documents do in the shards
+    return Scorer(str(ckpt), model, codec.encode, TokenBytes.sentencepiece(sp_file), cfg, meta)
+
+
+def validation_metrics(scorer: Scorer) -> dict[str, Any]:
+    """val_* of one of our runs: the windows and batch size its trainer validated on, so the same weights
+    give the value the trainer logged at the end."""
     from ..data.loaders import make_loader
 
-    loader = make_loader(cfg, "val")
-    nats, tokens, seconds = 0.0, 0, 0.0
-    for x, y in loader.val_batches(batches):
-        x, y = x.to(device), y.to(device)
-        t0 = time.perf_counter()
-        with autocast(cfg.hardware), sdpa_backend(cfg.hardware):
-            out = model(x, targets=y)
-        seconds += time.perf_counter() - t0
-        nats += out.ce.item() * y.numel()
-        tokens += y.numel()
-    if tokens == 0:
-        raise CheckpointError("the validation split yielded no batches; is data/ built?")
-    loss = nats / tokens
+    cfg = scorer.config
+    windows = make_loader(cfg, "val").val_windows(cfg.train.eval_batches * cfg.train.micro_batch_size)
+    t0 = time.perf_counter()
+    r = evaluate(
+        scorer.model,
+        windows,
+        batch_size=cfg.train.micro_batch_size,
+        precision=lambda: precision(cfg.hardware),
+    )
+    seconds = time.perf_counter() - t0
     return {
-        "val_loss": round(loss, 6),
-        "val_ppl": round(math.exp(loss), 4),
-        "val_bpb": round(loss / math.log(2) / loader.bytes_per_token, 6),
-        "val_tokens": tokens,
-        "eval_tokens_per_s": round(tokens / seconds, 1),
+        "val_loss": round(r["loss"], 6),
+        "val_ppl": round(math.exp(r["loss"]), 4),
+        "val_bpb": round(r["bpb"], 6),
+        "val_tokens": r["tokens"],
+        "val_bytes": r["bytes"],
+        "eval_tokens_per_s": round(r["tokens"] / seconds, 1),
     }
+
+
+def prose_metrics(
+    scorer: Scorer, text: str, hw: Any, max_context: int, batch_size: int = 8
+) -> dict[str, Any]:
+    """prose_* on one long text: sliding windows of the model's context (at most max_context tokens),
+    moved by half a window, so every scored token sees at least half a window before it."""
+    context = min(scorer.model.cfg.seq_len, max_context)
+    stride = max(1, context // 2)
+    windows = sliding_windows(scorer.encode(text), context, stride, scorer.token_bytes)
+    if windows.bytes != len(text.encode("utf-8")):
+        raise EnlaceError(
+            f"{scorer.name}: its tokens stand for {windows.bytes} bytes of a {len(text.encode())}-byte text; "
+            "bits per byte would be off"
+        )
+    r = evaluate(scorer.model, windows, batch_size=batch_size, precision=lambda: precision(hw))
+    return {
+        "prose_loss": round(r["loss"], 6),
+        "prose_bpb": round(r["bpb"], 6),
+        "prose_tokens": r["tokens"],
+        "prose_bytes": r["bytes"],
+        "prose_context": context,
+        "prose_stride": stride,
+    }
+
+
+def read_prose(path: Path) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise EnlaceError(f"{path}: prose text not found (eval.prose in params.yaml)") from None
+    except UnicodeDecodeError as e:
+        raise EnlaceError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise EnlaceError(f"{path}: the prose text is empty")
+    return text
+
+
+def score_model_dir(model_dir: Path, cfg: Config, device: torch.device, prose: str | None) -> dict[str, Any]:
+    """val_* (our runs) and prose_* (any model) of one model folder: `enlace eval --model-dir DIR`."""
+    scorer = load_scorer(model_dir, cfg.hardware, device)
+    metrics: dict[str, Any] = {"model": scorer.name, "parameters": scorer.model.num_parameters()}
+    if scorer.config is not None:
+        metrics.update(validation_metrics(scorer))
+    if prose is not None:
+        metrics.update(prose_metrics(scorer, prose, cfg.hardware, cfg.eval.prose_context))
+    return metrics
+
+
+# Models the eval stage scores next to the run, when present: the byte-level baseline and SmolLM2.
+REFERENCES = {"smoke": paths.RUNS / "smoke", "smollm2": paths.SMOLLM2_DIR}
 
 
 def sample_prompts(model: Llama, cfg: Config, device: torch.device) -> tuple[list[dict[str, str]], float]:
@@ -103,7 +201,10 @@ def run_eval(
 ) -> dict[str, Any]:
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware"))
     device = setup_runtime(cfg.hardware)
-    model, meta, ckpt = load_trained_model(run_dir, device)
+    scorer = load_scorer(run_dir, cfg.hardware, device)
+    if scorer.meta is None:
+        raise CheckpointError(f"{run_dir}: not one of our runs; score other models with --model-dir")
+    model, ckpt, meta = scorer.model, Path(scorer.name), scorer.meta
     saved = meta["config"]
     for section in ("model", "data"):
         if saved.get(section) != cfg.to_dict()[section]:
@@ -111,19 +212,24 @@ def run_eval(
                 f"{ckpt}: trained with a different {section} config than the one selected now; "
                 f"select the run's config (see {ckpt}/meta.json) or retrain"
             )
+    prose = read_prose(Path(cfg.eval.prose))
     metrics: dict[str, Any] = {
         "checkpoint": ckpt.name,
         "step": meta["step"],
         "parameters": model.num_parameters(),
         "config_hash": cfg.hash,  # eval's own config; the checkpoint's meta.json holds the run's
+        "prose_file": str(cfg.eval.prose),
     }
-    metrics.update(validation_metrics(model, cfg, cfg.eval.batches, device))
+    metrics.update(validation_metrics(scorer))
+    metrics.update(prose_metrics(scorer, prose, cfg.hardware, cfg.eval.prose_context))
     samples, gen_tps = sample_prompts(model, cfg, device)
     metrics["generate_tokens_per_s"] = gen_tps
-    smoke = paths.RUNS / "smoke" / "metrics.json"
-    if smoke.exists():
-        # The byte-level smoke model on the same val text: the baseline bits per byte must beat.
-        metrics["smoke_val_bpb"] = json.loads(smoke.read_text()).get("val_bpb")
+    for name, folder in REFERENCES.items():
+        if (folder / "checkpoints").is_dir() or (folder / "config.json").exists():
+            ref = score_model_dir(folder, cfg, device, prose)
+            for key in ("val_bpb", "val_bytes", "prose_bpb", "prose_context"):
+                if key in ref:
+                    metrics[f"{name}_{key}"] = ref[key]
 
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "metrics.json", metrics)

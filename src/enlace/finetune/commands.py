@@ -112,7 +112,7 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from ..generate import check_sampling
+    from ..generate import check_sampling, decode_weights
     from ..hf.load import load_for_generation
     from .chat import chat_repl
 
@@ -123,6 +123,7 @@ def _chat(args: argparse.Namespace) -> int:
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.
         sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     model, tok = load_for_generation(args.model, args.adapter)
+    decode_weights(model, args.weights)
     chat_repl(model, tok, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
     return 0
 
@@ -199,4 +200,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=256)
+    p.add_argument(
+        "--weights",
+        default="auto",
+        choices=("auto", "fp32", "bf16", "int8"),
+        help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
+    )
     p.set_defaults(handler=_chat)

@@ -106,6 +106,24 @@ def inject_lora(
     return wrapped
 
 
+@torch.no_grad()
+def cast_frozen_base(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Store the frozen base's linear weights in `dtype` (bf16: half the bytes, native CPU kernels).
+
+    For training under autocast of the same dtype, which would otherwise cast every fp32 weight at every
+    forward. Adapters, their optimizer, the norms and the (tied) embedding stay fp32, so the residual
+    stream and every trained value keep fp32. Returns the number of weights cast.
+    """
+    head = getattr(model, "lm_head", None)
+    n = 0
+    for m in model.modules():
+        if type(m) is not nn.Linear or m.weight.requires_grad or m is head:
+            continue  # adapters are trained and stay fp32; the head is tied to the fp32 embedding
+        m.weight.data = m.weight.data.to(dtype)
+        n += m.weight.numel()
+    return n
+
+
 def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n]
 

@@ -40,7 +40,7 @@ from . import data as data_module
 from . import lora as lora_module
 from . import loss as loss_module
 from .data import batch_indices, collate, load_dataset
-from .lora import inject_lora, lora_parameters, save_adapter
+from .lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
 
 # Settings that provably do not change the adapter: where it goes, how often it is saved, what is done
@@ -181,6 +181,8 @@ def _finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool, progress: bo
     out = Path(cfg.out)
     ckpt_root = out / "checkpoints"
     model, tok, data = prepare(cfg, device)  # checks the base folder and the data file, naming them
+    if hw.dtype == "bf16":
+        cast_frozen_base(model)  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
     ident = run_identity(cfg, hw)
     rep = data.report()
     print(

@@ -58,16 +58,20 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
     records = read_jsonl(run_dir / "metrics.jsonl")
     train_recs = [r for r in records if "loss" in r]
     speeds = [r["tokens_per_s"] for r in train_recs[1:]]  # the first interval includes start-up
+    final_val = next((r for r in reversed(records) if "val_bytes" in r), {})
     summary = {
         "steps": result.step,
         "start_loss": train_recs[0]["loss"] if train_recs else None,
         "final_train_loss": train_recs[-1]["loss"] if train_recs else None,
         "val_loss": result.val_loss,
         "val_bpb": result.val_bpb,
+        "val_tokens": final_val.get("val_tokens"),  # what the val figures scored
+        "val_bytes": final_val.get("val_bytes"),
         "tokens_per_s": round(statistics.median(speeds), 1) if speeds else None,
         "tokens": train_recs[-1]["tokens"] if train_recs else 0,
         "skipped_steps": result.skipped,
         "config_hash": cfg.hash,
+        "precision": cfg.hardware.dtype,  # resolved (cpu-auto: bf16 or fp32 by the CPU)
     }
     plot_loss(records, run_dir / "loss.png", title=f"{cfg.model.name} / {cfg.train.name}")
     write_curves(records, run_dir / "curves.csv")

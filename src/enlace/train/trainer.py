@@ -10,7 +10,6 @@ CPU) where the uninterrupted one would be. A checkpoint is only resumed by a run
 from __future__ import annotations
 
 import functools
-import math
 import signal
 import time
 from collections.abc import Iterator
@@ -24,7 +23,7 @@ from .. import model as model_module
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
 from ..errors import EnlaceError
-from ..eval.val import evaluate
+from ..eval.score import evaluate, precision
 from ..model import Llama
 from ..runtime import setup_runtime
 from . import dist as D
@@ -244,8 +243,14 @@ def train(
     next_batch = functools.partial(next, micro_batches(loader, state.step, t.grad_accum_steps, device))
     batch = next_batch()
     tokens_per_step = t.global_batch_size * cfg.model.seq_len
-    val_batches = val_loader.val_batches(t.eval_batches) if info.is_main else []
-    bytes_per_token = float(getattr(val_loader, "bytes_per_token", 1.0))
+    # Validation: fixed windows spread over the whole val split, scored by the eval stage's own function.
+    val_windows = val_loader.val_windows(t.eval_batches * t.micro_batch_size) if info.is_main else None
+
+    def validate() -> dict[str, float | int]:
+        return evaluate(
+            raw_model, val_windows, batch_size=t.micro_batch_size, precision=lambda: precision(hw)
+        )
+
     end_loss = val_loss = val_bpb = tok_s = None
     interrupted = None
 
@@ -285,8 +290,8 @@ def train(
                 )
 
                 if info.is_main and t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
-                    v = evaluate(raw_model, val_batches, hw, device)
-                    log.append({"step": step, "val_loss": v, "val_bpb": v / math.log(2) / bytes_per_token})
+                    v = validate()
+                    log.append({"step": step, "val_loss": v["loss"], "val_bpb": v["bpb"]})
 
                 stop_now = D.any_across(info, stop.signal is not None, device)
                 due = step % t.checkpoint.every == 0 or step in (t.max_steps, stop_after, pinned_step(cfg))
@@ -308,9 +313,12 @@ def train(
     bar.close()
 
     if state.step == t.max_steps and info.is_main:
-        val_loss = evaluate(raw_model, val_batches, hw, device)
-        val_bpb = val_loss / math.log(2) / bytes_per_token
-        log.append({"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb})
+        v = validate()
+        val_loss, val_bpb = v["loss"], v["bpb"]
+        log.append(
+            {"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb}
+            | {"val_tokens": v["tokens"], "val_bytes": v["bytes"]}
+        )
     D.barrier(info)
     return TrainResult(
         run_dir=run_dir,
