@@ -21,7 +21,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": args.prose}))
     if args.model_dir:
         # One model folder, ours or Hugging Face's: print its figures, write nothing.
-        from ..hardware import setup_runtime
+        from ..runtime import setup_runtime
 
         device = setup_runtime(cfg.hardware)
         m = score_model_dir(Path(args.model_dir), cfg, device, read_prose(Path(cfg.eval.prose)))
