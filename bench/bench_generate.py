@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from bench.common import alternate, format_row, goal_row, summary, write_result
-from enlace.finetune.chat import load_for_generation
-from enlace.finetune.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.generate import decode_weights, generate
+from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
+from enlace.hf.load import load_for_generation
 
 NEW = 64
 PROMPT = "Escribe una receta sencilla de tortilla de patatas para una cena en familia."

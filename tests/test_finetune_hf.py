@@ -10,9 +10,9 @@ from helpers import CHATML, SENTENCES, llamacpp_permute, make_folder
 from safetensors.torch import load_file, save_file
 
 from enlace.errors import EnlaceError
-from enlace.finetune.gguf_import import unpermute_qk
-from enlace.finetune.hf import load_hf_folder, save_hf_folder
-from enlace.finetune.tokenizer import HFTokenizer
+from enlace.hf.folder import load_hf_folder, save_hf_folder
+from enlace.hf.state_dict_adapter import permute_qk, unpermute_qk
+from enlace.hf.tokenizer import HFTokenizer
 from enlace.model import Llama
 
 
@@ -143,5 +143,8 @@ def test_unpermute_inverts_llamacpp_qk_permutation():
     assert not torch.equal(pq, q)
     assert torch.equal(unpermute_qk(pq, n_head), q)
     assert torch.equal(unpermute_qk(pk, n_kv), k)
+    assert torch.equal(permute_qk(q, n_head), pq) and torch.equal(
+        permute_qk(k, n_kv), pk
+    )  # the GGUF export's
     # Head h's rows stay within head h; within it, row 2i holds half 0 row i and row 2i+1 half 1 row i.
     assert torch.equal(pq[1], q[hd // 2]) and torch.equal(pq[hd], q[hd])

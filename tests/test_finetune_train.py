@@ -14,9 +14,10 @@ from safetensors.torch import load_file
 
 from enlace.config.finetune import FinetuneConfig, FinetuneGeneration
 from enlace.config.hardware import HardwareConfig
-from enlace.finetune.chat import chat_repl, load_for_generation
+from enlace.finetune.chat import chat_repl
 from enlace.finetune.evaluate import finetune_eval
 from enlace.finetune.train import finetune
+from enlace.hf.load import load_for_generation
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = HardwareConfig(name="cpu", device="cpu")

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "enlace.train.commands",
     "enlace.eval.commands",
     "enlace.finetune.commands",
+    "enlace.hf.commands",
     "enlace.estimate",
 ]
 
@@ -65,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="enlace",
         description="ENLACE: pretrain a Spanish language model and fine-tune Llama-family models with LoRA.\n"
-        "Pipeline stages: fetch -> tokenize -> shard -> smoke -> pretrain -> eval (dvc repro runs them all).",
+        "Pipeline stages: fetch -> tokenize -> shard -> smoke -> pretrain -> eval, export (dvc repro runs them all).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from . import __version__

@@ -13,3 +13,6 @@ SMOLLM2_DIR = (
     MODELS / "smollm2-135m-instruct"
 )  # the offline default base model, built by `enlace import-gguf`
 PYPI_CACHE = RAW / "pypi"  # wheels fetched from PyPI (checksummed)
+BENCH_ES = (
+    Path("assets") / "bench_es"
+)  # the project's Spanish benchmark: items (JSONL) and lm-eval task YAMLs

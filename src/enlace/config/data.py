@@ -92,7 +92,7 @@ class CleaningConfig(Strict):
 
 
 class TokenizerConfig(Strict):
-    type: Literal["bpe", "unigram"] = "unigram"
+    type: Literal["bpe", "unigram"] = "bpe"  # bpe: its tokenizer.json export is exact (see hf.sp_convert)
     vocab_size: StrictInt = Field(default=8192, gt=0)
     character_coverage: StrictFloat = Field(default=0.9995, gt=0, le=1)
     # Sentences longer than this (bytes) are split before training, never silently skipped.

@@ -14,6 +14,7 @@ from typing import Any
 from .. import paths
 from ..config.data import TokenizerConfig
 from ..errors import DataError
+from ..hf.sp_convert import convert as convert_tokenizer
 from ..io import atomic_write_text, canonical_json, fsync_file, sha256_file
 from .util import log, progress
 
@@ -218,7 +219,11 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
         t_train = time.perf_counter() - t1
         stages.update(1)
         val_path = corpus / "val.jsonl"
-        ev = evaluate(tmp / "tokenizer.model", read_docs(val_path) if val_path.exists() else [])
+        val_docs = list(read_docs(val_path)) if val_path.exists() else []
+        ev = evaluate(tmp / "tokenizer.model", val_docs)
+        # The Hugging Face tokenizer.json `enlace export` ships must give these ids on the whole val split;
+        # a model that cannot be converted exactly is refused here, before anything is trained on it.
+        hf_check = convert_tokenizer(tmp / "tokenizer.model", val_docs, tmp / "tokenizer.json")
         stages.update(1)
         stages.close()
         report = {
@@ -231,10 +236,11 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
             # "lines" are sentences, what input_sentence_size counts: the sample holds at most that many.
             "training_input": {**prep, "input_sentence_size": cfg.input_sentence_size},
             "val": ev,
+            "tokenizer_json": hf_check,
         }
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").unlink(missing_ok=True)
-        for name in ("tokenizer.model", "tokenizer.vocab"):
+        for name in ("tokenizer.model", "tokenizer.vocab", "tokenizer.json"):
             fsync_file(tmp / name)
             os.replace(tmp / name, out / name)
         atomic_write_text(out / "report.json", canonical_json(report))

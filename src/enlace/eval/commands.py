@@ -21,7 +21,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": args.prose}))
     if args.model_dir:
         # One model folder, ours or Hugging Face's: print its figures, write nothing.
-        from ..hardware import setup_runtime
+        from ..runtime import setup_runtime
 
         device = setup_runtime(cfg.hardware)
         m = score_model_dir(Path(args.model_dir), cfg, device, read_prose(Path(cfg.eval.prose)))
@@ -60,9 +60,12 @@ def _generate(args: argparse.Namespace) -> int:
     )
     model_dir = Path(args.model)
     device = args.device
+    if not model_dir.is_dir():
+        what = "no such folder" if not model_dir.exists() else "not a folder"
+        raise EnlaceError(f"--model {model_dir}: {what} (a run folder or a Hugging Face model folder)")
     if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
-        from ..finetune.chat import load_for_generation
+        from ..hf.load import load_for_generation
 
         model, tok = load_for_generation(
             model_dir, Path(args.adapter) if args.adapter else None, device=device
@@ -73,6 +76,8 @@ def _generate(args: argparse.Namespace) -> int:
             ids = tok.apply_chat_template(
                 [{"role": "user", "content": args.prompt}], add_generation_prompt=True
             )
+        if not ids and tok.bos_id is not None:
+            ids = [tok.bos_id]  # an empty raw prompt: continue from the start of a text
         eos = tok.eos_ids
 
         def decode(new: list[int]) -> str:
@@ -84,7 +89,10 @@ def _generate(args: argparse.Namespace) -> int:
         from .evaluate import load_trained_model
 
         if args.adapter:
-            raise EnlaceError("--adapter applies to Hugging Face model folders; export the run first")
+            raise EnlaceError(
+                f"--adapter applies to Hugging Face model folders; export the run first "
+                f"(`enlace export --run-dir {model_dir}`), then pass --model runs/export/hf"
+            )
         model, meta, _ = load_trained_model(model_dir, device)
         codec = codec_for(meta["config"]["train"]["loader"], paths.TOKENIZER)
         ids, eos, prefix = codec.encode(args.prompt), codec.eos_ids, args.prompt
@@ -92,6 +100,10 @@ def _generate(args: argparse.Namespace) -> int:
         def decode(new: list[int]) -> str:
             return continuation(codec, ids, new)
 
+    if not ids:
+        raise EnlaceError(
+            "the prompt is empty and the model has no start token to continue from; give a prompt"
+        )
     decode_weights(model, args.weights, device)
     sys.stdout.write(prefix)
     sys.stdout.flush()

@@ -65,8 +65,8 @@ def load_scorer(model_dir: Path, hw: Any, device: torch.device) -> Scorer:
     """Our run folder (its latest checkpoint) or a Hugging Face folder (e.g. the imported SmolLM2)."""
     model_dir = Path(model_dir)
     if (model_dir / "config.json").exists() and not (model_dir / "checkpoints").is_dir():
-        from ..finetune.hf import load_hf_folder
-        from ..finetune.tokenizer import HFTokenizer
+        from ..hf.folder import load_hf_folder
+        from ..hf.tokenizer import HFTokenizer
 
         model = load_hf_folder(model_dir, device=device)
         tok = HFTokenizer(model_dir)

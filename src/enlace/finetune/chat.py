@@ -1,17 +1,12 @@
-"""Generation from Hugging Face folders (optionally with a LoRA adapter) and the `enlace chat` REPL."""
+"""The `enlace chat` REPL: streamed replies from a Hugging Face folder (loaded by enlace.hf.load)."""
 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TextIO
 
-import torch
-
 from ..errors import EnlaceError
-from .hf import load_hf_folder
-from .lora import load_adapter, set_merged
-from .tokenizer import HFTokenizer, Message, StreamDecoder
+from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
 
 # `enlace chat` decoding: seeded sampling with repetition controls. Greedy decoding of a small model
 # loops ("¿Por qué? ¿Por qué? ..."); a mild penalty plus a 4-gram ban stops that without banning the
@@ -23,17 +18,6 @@ CHAT_SAMPLING = {
     "repetition_penalty": 1.1,
     "no_repeat_ngram": 4,
 }
-
-
-def load_for_generation(
-    model_dir: str | Path, adapter_dir: str | Path | None = None, device: str | torch.device = "cpu"
-) -> tuple[torch.nn.Module, HFTokenizer]:
-    """Our Llama from a Hugging Face folder, with the adapter merged in (no extra matmuls per token)."""
-    model = load_hf_folder(Path(model_dir), device=device)
-    if adapter_dir is not None:
-        load_adapter(model, Path(adapter_dir), str(model_dir))
-        set_merged(model, True)
-    return model.eval(), HFTokenizer(Path(model_dir))
 
 
 def stream_reply(

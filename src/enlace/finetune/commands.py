@@ -65,7 +65,7 @@ def load_finetune_cfg(args: argparse.Namespace):
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
-    from .gguf_import import import_gguf, import_smollm2, is_complete
+    from ..hf.gguf_import import import_gguf, import_smollm2, is_complete
 
     if args.gguf:
         out = import_gguf(Path(args.gguf), Path(args.out))
@@ -80,10 +80,12 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _finetune(args: argparse.Namespace) -> int:
     from ..config import save_resolved
+    from ..hf.load import check_model_folder
     from ..train.lock import run_dir_lock
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
+    check_model_folder(Path(cfg.finetune.base_model))
     out = Path(cfg.finetune.out)
     with run_dir_lock(out):  # before anything is written into the run folder
         save_resolved(cfg, out / "config.json")
@@ -93,9 +95,11 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _finetune_eval(args: argparse.Namespace) -> int:
+    from ..hf.load import check_model_folder
     from .evaluate import finetune_eval
 
     cfg = load_finetune_cfg(args)
+    check_model_folder(Path(cfg.finetune.base_model))
     r = finetune_eval(cfg.finetune, cfg.hardware, Path(args.adapter) if args.adapter else None)
     for a in r["answers"]:
         print(f"\n> {a['prompt']}\n[base] {a['base']}\n[finetuned] {a['finetuned']}")
@@ -109,7 +113,8 @@ def _chat(args: argparse.Namespace) -> int:
     import sys
 
     from ..generate import check_sampling, decode_weights
-    from .chat import chat_repl, load_for_generation
+    from ..hf.load import load_for_generation
+    from .chat import chat_repl
 
     sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
     check_sampling(max_new_tokens=args.max_new_tokens, **sampling)  # before the model loads

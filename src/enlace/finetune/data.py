@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError
+from ..hf.tokenizer import HFTokenizer, Message
 from ..io import iter_jsonl
 from ..model import IGNORE_INDEX
-from .tokenizer import HFTokenizer, Message
 
 ROLES = ("system", "user", "assistant")
 

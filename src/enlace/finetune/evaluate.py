@@ -14,13 +14,13 @@ from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..data.clean import EN_WORDS, ES_WORDS
 from ..errors import EnlaceError
+from ..hf.folder import load_hf_folder
+from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
-from .hf import load_hf_folder
 from .lora import load_adapter, set_merged
 from .loss import assistant_loss_sum
-from .tokenizer import HFTokenizer
 
 # Goals from the finetune issue: no looping answer, held-out loss at least 20% below the base model's.
 GOAL_LOSS_REDUCTION = 0.20

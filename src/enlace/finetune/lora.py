@@ -8,21 +8,26 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
 from ..errors import EnlaceError
+from ..hf.folder import content_fingerprint
 from ..io import atomic_write_json, write_safetensors
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+FINGERPRINT_KEY = "enlace.base_fingerprint"  # safetensors metadata: content fingerprint of the base folder
 
 
 class AdapterError(EnlaceError):
@@ -180,7 +185,13 @@ def save_adapter(model: nn.Module, folder: Path, base_model: str) -> Path:
     folder = Path(folder)
     if any(m.merged for m in lora_modules(model).values()):
         raise AdapterError("unmerge the adapters before saving them")
-    write_safetensors(folder / ADAPTER_WEIGHTS, adapter_state(model), metadata={"format": "pt"})
+    # The base's content fingerprint rides in the safetensors metadata (PEFT ignores it): a byte-identical
+    # copy of the base under another path or name is still recognised as the same model.
+    meta = {"format": "pt"}
+    fingerprint = content_fingerprint(Path(base_model))
+    if fingerprint:
+        meta[FINGERPRINT_KEY] = fingerprint
+    write_safetensors(folder / ADAPTER_WEIGHTS, adapter_state(model), metadata=meta)
     atomic_write_json(folder / ADAPTER_CONFIG, adapter_config(model, base_model))
     return folder
 
@@ -216,13 +227,22 @@ def load_adapter(model: nn.Module, folder: Path, base_model: str | None = None) 
     """Inject adapters per adapter_config.json and load every tensor; anything missing or extra is an error."""
     folder = Path(folder)
     cfg = read_adapter_config(folder)
-    if base_model is not None and not _same_base(base_model, cfg.get("base_model_name_or_path")):
-        raise AdapterError(
-            f"{folder}: adapter was trained on {cfg.get('base_model_name_or_path')!r}, not on {base_model!r}"
-        )
     path = folder / ADAPTER_WEIGHTS
     if not path.exists():
         raise AdapterError(f"{path}: not found")
+    with safe_open(str(path), framework="pt") as f:
+        recorded = (f.metadata() or {}).get(FINGERPRINT_KEY)
+    if base_model is not None:
+        if recorded and Path(base_model).is_dir():
+            if content_fingerprint(Path(base_model)) != recorded:
+                raise AdapterError(
+                    f"{folder}: adapter was trained on {cfg.get('base_model_name_or_path')!r}, whose weights "
+                    f"differ from {base_model!r} (content fingerprints differ)"
+                )
+        elif not _same_base(base_model, cfg.get("base_model_name_or_path")):
+            raise AdapterError(
+                f"{folder}: adapter was trained on {cfg.get('base_model_name_or_path')!r}, not on {base_model!r}"
+            )
     tensors = load_file(str(path))
     wrapped = inject_lora(model, cfg["target_modules"], int(cfg["r"]), float(cfg["lora_alpha"]), 0.0)
     expected = {f"{PEFT_PREFIX}{n}.lora_{ab}.weight": (n, ab) for n in wrapped for ab in "AB"}
@@ -243,12 +263,18 @@ def load_adapter(model: nn.Module, folder: Path, base_model: str | None = None) 
         for name, m in wrapped.items():  # leave the model as it was
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, m.base)
-        parts = [
-            f"{label} {items}"
-            for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes))
-            if items
-        ]
-        raise AdapterError(f"{path}: adapter does not fit the model (r={cfg['r']}): " + "; ".join(parts))
+        groups = (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes))
+        # One line for the terminal (counts and the first of each kind); every tensor in a file beside it.
+        parts = [f"{len(items)} {label} (e.g. {items[0]})" for label, items in groups if items]
+        report = Path(tempfile.gettempdir()) / f"enlace-adapter-mismatch-{os.getpid()}.txt"
+        report.write_text(
+            "".join(f"{label}: {item}\n" for label, items in groups for item in items), encoding="utf-8"
+        )
+        raise AdapterError(
+            f"{path}: adapter does not fit the model (r={cfg['r']}): "
+            + "; ".join(parts)
+            + f"; full list in {report}"
+        )
     with torch.no_grad():
         for key, (name, ab) in expected.items():
             getattr(wrapped[name], f"lora_{ab}").weight.copy_(found[key])

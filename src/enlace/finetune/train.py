@@ -22,6 +22,9 @@ import torch
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import EnlaceError
+from ..hf import folder as hf_module
+from ..hf.folder import load_hf_folder
+from ..hf.tokenizer import HFTokenizer
 from ..io import sha256_file
 from ..runtime import setup_runtime
 from ..train import schedule as schedule_module
@@ -34,14 +37,11 @@ from ..train.schedule import wsd_lr
 from ..train.signals import SecondInterrupt, StopFlag, abandoned
 from ..train.step import StepSettings, TrainState, make_scaler, train_step
 from . import data as data_module
-from . import hf as hf_module
 from . import lora as lora_module
 from . import loss as loss_module
 from .data import batch_indices, collate, load_dataset
-from .hf import load_hf_folder
 from .lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
-from .tokenizer import HFTokenizer
 
 # Settings that provably do not change the adapter: where it goes, how often it is saved, what is done
 # with it afterwards (held-out data, prompts, decoding).

