@@ -87,11 +87,20 @@ def test_second_process_on_a_run_dir_is_refused_and_the_lock_dies_with_the_holde
                 pass
 
 
-def test_run_dir_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["pretrain", "--no-progress", "--run-dir"],
+        ["eval", "--out"],
+        ["export", "--out"],
+    ],
+    ids=["pretrain --run-dir", "eval --out", "export --out"],
+)
+def test_output_folder_that_is_a_file_is_refused(argv, tmp_path, capsys, monkeypatch):
     f = tmp_path / "notadir"
     f.write_text("x")
     monkeypatch.chdir(ROOT)
-    assert main(["pretrain", "--no-progress", "--run-dir", str(f)]) == 2
+    assert main([*argv, str(f)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not a directory" in err and f.read_text() == "x"
 

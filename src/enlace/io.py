@@ -59,6 +59,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def require_folder(path: Path, what: str) -> Path:
+    """Refuse an output path that exists and is not a folder, before any work starts."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DataError(f"{what} {path}: not a directory (it names an existing file)")
+    return path
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

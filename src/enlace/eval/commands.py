@@ -27,7 +27,9 @@ def _eval(args: argparse.Namespace) -> int:
         m = score_model_dir(Path(args.model_dir), cfg, device, read_prose(Path(cfg.eval.prose)))
         print(json.dumps(m, indent=2, sort_keys=True))
         return 0
-    result = run_eval(cfg, Path(args.run_dir), Path(args.out))
+    from ..io import require_folder
+
+    result = run_eval(cfg, Path(args.run_dir), require_folder(Path(args.out), "--out"))
     m = result["metrics"]
     print(json.dumps(m, indent=2, sort_keys=True))
     print(f"\nval loss {m['val_loss']:.4f}  ppl {m['val_ppl']:.2f}  bits/byte {m['val_bpb']:.4f}")

@@ -18,9 +18,9 @@ def _export(args: argparse.Namespace) -> int:
         raise EnlaceError(f"--gguf-type {args.gguf_type!r}: choose one of {sorted(FILE_TYPES)}")
     if (args.model is None) != (args.adapter is None):
         raise EnlaceError("--model and --adapter go together (a base folder and the LoRA adapter to merge)")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise EnlaceError(f"--out {out}: is a file, not a folder")
+    from ..io import require_folder
+
+    out = require_folder(Path(args.out), "--out")
     model = None
     if args.adapter:
         result = export_merged(Path(args.model), Path(args.adapter), out)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import EnlaceError
+from ..io import require_folder
 
 _held: dict[Path, int] = {}  # lock files this process holds -> fd (re-entrant within the process)
 
@@ -38,8 +39,7 @@ def run_dir_lock(run_dir: Path, enabled: bool = True) -> Iterator[None]:
     if not enabled or path in _held:
         yield
         return
-    if Path(run_dir).exists() and not Path(run_dir).is_dir():
-        raise EnlaceError(f"{run_dir}: not a directory (a run directory holds checkpoints and logs)")
+    require_folder(Path(run_dir), "run directory")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
