@@ -27,19 +27,19 @@ def _shards(folder: Path, train_tokens: int) -> dict[str, Path]:
 
 
 def test_epochs_from_the_shards_and_the_error_names_both_numbers_and_the_keys(tmp_path):
-    # cpu-small plans 1000 steps x 8 x 256 = 2,048,000 tokens.
+    # cpu-small plans 1300 steps x 8 x 256 = 2,662,400 tokens.
     cfg = _cfg()
     ok = check_budget(cfg, require_data=True, **_shards(tmp_path / "a", 1_000_000))
-    assert ok.planned == 2_048_000 and ok.exact and ok.epochs == pytest.approx(2.048)
+    assert ok.planned == 2_662_400 and ok.exact and ok.epochs == pytest.approx(2.6624)
     with pytest.raises(DataError) as e:
         check_budget(cfg, require_data=True, **_shards(tmp_path / "b", 400_000))
     msg = str(e.value)
-    assert "2,048,000 tokens" in msg and "400,000 training tokens" in msg and "5.1 epochs" in msg
+    assert "2,662,400 tokens" in msg and "400,000 training tokens" in msg and "6.7 epochs" in msg
     for key in ("train.max_steps", "train.global_batch_size", "model.seq_len", "data.max_epochs"):
         assert key in msg
     # The limit is a setting.
-    loose = _cfg("data.max_epochs=6")
-    assert check_budget(loose, require_data=True, **_shards(tmp_path / "c", 400_000)).epochs < 6
+    loose = _cfg("data.max_epochs=7")
+    assert check_budget(loose, require_data=True, **_shards(tmp_path / "c", 400_000)).epochs < 7
 
 
 def test_missing_shards_tell_the_user_to_build_them_and_config_check_estimates(tmp_path):
@@ -65,4 +65,4 @@ def test_config_check_refuses_a_plan_that_loops_over_a_tiny_corpus(tmp_path, mon
     err = capsys.readouterr().err
     assert "2,621,440,000 tokens" in err and "about 5,000,000" in err and "524.3 epochs" in err
     assert main(["config", "check"]) == 0
-    assert "0.68 epochs" in capsys.readouterr().out
+    assert "0.89 epochs" in capsys.readouterr().out
