@@ -6,6 +6,8 @@ base's linear weights stored in bf16 (lora.cast_frozen_base), the step under bf1
 AdamW in fp32. The peers: PEFT in its default fp32, and PEFT under the same bf16 autocast (fp32 base).
 All see the same tokens and labels; ENLACE skips the LM head and its softmax at unlabelled positions and
 never touches frozen weights' gradients. Goals: >= 1.3x PEFT fp32 and >= 1.0x PEFT bf16 autocast.
+The process has `enlace finetune`'s CPU allocator setting (enlace.runtime.keep_freed_memory), which applies
+to the whole process: the peers get it too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from enlace.finetune.loss import assistant_loss_sum
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.hf.tokenizer import HFTokenizer
-from enlace.runtime import autocast
+from enlace.runtime import autocast, keep_freed_memory
 
 SEQS = (128, 256)
 DATA = Path("assets/instruct/es_familia_train.jsonl")
@@ -91,6 +93,7 @@ def peft_step(folder: Path, ids, labels, precision: str = "fp32"):
 
 def main(argv: list[str] | None = None) -> int:
     rounds = int((argv or sys.argv[1:] or [os.environ.get("BENCH_ROUNDS", "6")])[0])
+    keep_freed_memory()  # as setup_runtime does for a CPU run
     folder = import_smollm2(DEFAULT_OUT)
     tok = HFTokenizer(folder)
     results, rows = {}, []

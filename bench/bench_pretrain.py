@@ -4,6 +4,8 @@ Same shapes, same random tokens, same optimizer settings, same precision on both
 autocast with fp32 master weights and AdamW state (the `cpu-bf16` profile), the CPU's native fast path;
 BENCH_PRECISIONS=fp32,bf16 adds the fp32 reference. For the comparison QK-norm and z-loss are off in
 ENLACE's model, since LlamaForCausalLM has neither. ENLACE's side runs the trainer's autocast and optimizer.
+The process has the trainer's CPU allocator setting (enlace.runtime.keep_freed_memory): it applies to the
+whole process, so the peer gets it too.
 
 FLOPs per step: enlace.gpu_check.train_flops_per_token (6 N + 12 L d T per token, attention counted
 non-causal). MFU is against the matmul peak of the same precision, measured robustly in the same run (best
@@ -33,7 +35,7 @@ from enlace.config import load_config
 from enlace.config.hardware import HardwareConfig
 from enlace.estimate import train_flops_per_token
 from enlace.model import Llama
-from enlace.runtime import autocast
+from enlace.runtime import autocast, keep_freed_memory
 from enlace.train.optim import build_optimizer
 from enlace.train.step import StepSettings, TrainState, make_scaler, train_step
 from enlace.train.trainer import lm_forward
@@ -146,6 +148,7 @@ def bench_shape(name: str, seq: int, batch: int, precision: str, rounds: int, co
 
 def main() -> int:
     rounds = int(os.environ.get("BENCH_ROUNDS", 3))
+    keep_freed_memory()  # as setup_runtime does for a CPU run
     compile_too = os.environ.get("BENCH_COMPILE", "1") != "0"
     shapes = SHAPES[: int(os.environ.get("BENCH_SHAPES", 2))]
     precisions = os.environ.get("BENCH_PRECISIONS", "bf16").split(",")

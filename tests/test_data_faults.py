@@ -174,6 +174,28 @@ def test_killed_shard_resumes_its_units_and_ends_identical(built, tmp_path, capf
     assert not (tmp_path / ".shards.partial").exists()
 
 
+def test_unit_left_bad_by_a_power_loss_is_encoded_again(built, tmp_path, capfd):
+    """Unit files are not fsynced: a power loss can leave a finished unit's tokens zeroed or truncated.
+    The resume checks each against the sha256 in its counts file and encodes the bad ones again."""
+    out = tmp_path / "shards"
+    head = textwrap.dedent(
+        KILL_AFTER.format(src=str(ROOT / "src"), module="shard", cls="EncodeUnits", after=3)
+    )
+    call = (
+        f"m.build_shards(Path({str(built / 'corpus')!r}), Path({str(built / 'tok')!r}), Path({str(out)!r}), "
+        "'uint16', 400, 3000, workers=1, unit_docs=8)"
+    )
+    _killed(head + call, tmp_path / "killed.log")
+    units = tmp_path / ".shards.partial" / "units"
+    bins = sorted(units.glob("*.bin"))
+    assert len(bins) == 3
+    bins[0].write_bytes(bytes(bins[0].stat().st_size))  # zeroed, as after a crash of the machine
+    bins[1].write_bytes(bins[1].read_bytes()[:10])  # truncated
+    build_shards(built / "corpus", built / "tok", out, "uint16", 400, 3000, workers=1, unit_docs=8)
+    assert "resuming: 1 of" in capfd.readouterr().err
+    assert _snapshot(out) == _snapshot(built / "shards")
+
+
 def test_killed_fetch_resumes_per_file_and_ends_identical(tmp_path, capfd):
     src = make_text_source(tmp_path / "src", 12)
     data = data_config([{"name": "gen", "kind": "local", "path": str(src)}])

@@ -128,22 +128,22 @@ def test_read_only_run_dir_is_refused(tmp_path, fresh):
 
 
 def test_full_disk_during_a_checkpoint_is_one_line_and_loses_nothing(tmp_path, monkeypatch):
-    real = checkpoint.save_file
+    real = checkpoint.write_tensors
 
-    def disk_full_at_step_4(tensors, path):
-        if f".tmp-{step_dirname(4)}-" in path:
+    def disk_full_at_step_4(path, tensors):
+        if f".tmp-{step_dirname(4)}-" in str(path):
             Path(path).write_bytes(b"\0" * 100)  # a partial file, as a full disk leaves
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        real(tensors, path)
+        return real(path, tensors)
 
-    monkeypatch.setattr(checkpoint, "save_file", disk_full_at_step_4)
+    monkeypatch.setattr(checkpoint, "write_tensors", disk_full_at_step_4)
     with pytest.raises(CheckpointError) as e:
         run(tmp_path / "run")
     msg = str(e.value)
     assert "\n" not in msg and "no space left on device" in msg and f"{step_dirname(2)}, is intact" in msg
     ck = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in ck.iterdir()) == [step_dirname(2)]  # no partial folder left
-    monkeypatch.setattr(checkpoint, "save_file", real)
+    monkeypatch.setattr(checkpoint, "write_tensors", real)
     assert run(tmp_path / "run").resumed_from == 2
     run(tmp_path / "straight")
     straight = list_checkpoints(tmp_path / "straight" / "checkpoints")[-1]

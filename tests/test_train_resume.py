@@ -8,6 +8,8 @@ from helpers import checkpoint_digests, loaders_for, logged_losses, nan_at_steps
 from safetensors.torch import load_file
 
 from enlace.errors import CheckpointError
+from enlace.io import sha256_file
+from enlace.train import checkpoint
 from enlace.train.checkpoint import latest_checkpoint, list_checkpoints, step_dirname
 from enlace.train.trainer import NonFiniteError, train
 
@@ -57,6 +59,27 @@ def test_same_config_twice_gives_identical_files(tmp_path):
     assert [p.name for p in ca] == [p.name for p in cb] == [step_dirname(s) for s in (5, 6, 8)]
     for a, b in zip(ca, cb, strict=True):
         assert checkpoint_digests(a) == checkpoint_digests(b)
+
+
+def test_tensor_file_is_safetensors_and_hashed_while_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(checkpoint, "WRITE_CHUNK", 1000)  # many chunks: odd sizes, tensors split across them
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "w": torch.randn(37, 29, generator=g),
+        "w.bf16": torch.randn(13, 7, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(3.0),
+        "ids": torch.arange(10, dtype=torch.int64),
+        "mask": torch.rand(9, generator=g) > 0.5,
+        "empty": torch.zeros(0, 4),
+        "strided": torch.randn(8, 6, generator=g).t(),  # not contiguous
+    }
+    digest = checkpoint.write_tensors(tmp_path / "a.safetensors", tensors)
+    assert digest == sha256_file(tmp_path / "a.safetensors")
+    back = load_file(str(tmp_path / "a.safetensors"))
+    assert back.keys() == tensors.keys()
+    for k, t in tensors.items():
+        assert back[k].dtype == t.dtype and torch.equal(back[k], t), k
+    assert checkpoint.write_tensors(tmp_path / "b.safetensors", tensors) == digest  # same tensors, same bytes
 
 
 def test_finished_run_resumes_to_nothing(tmp_path):

@@ -1,8 +1,10 @@
 """Encode the corpus into token shards. `run_shard`.
 
 1. The corpus files are checked against the sha256 that `enlace fetch` recorded in its manifest.
-2. Each split is cut into units of a fixed number of documents. An `EncodeUnits` pipeline step (datatrove;
-   units split among tasks by index) encodes each unit into its own token file, so a killed run resumes
+2. Each split is cut into units of at most `unit_docs` documents and about UNIT_BYTES bytes (the byte cap
+   keeps the tasks busy to the end: with units of a fixed document count, a small corpus made two or
+   three units and one task did nearly all the work). An `EncodeUnits` pipeline step (datatrove; units
+   split among tasks by index) encodes each unit into its own token file, so a killed run resumes
    without redoing finished units.
 3. The unit files are concatenated in order into shards of `tokens_per_shard` tokens and a manifest.
    Units, not tasks, fix the order: the shards are the same whatever the task count.
@@ -34,7 +36,8 @@ from .steps import raise_recorded_errors, record_error
 from .tokenize import EOS_ID
 from .util import log, progress
 
-UNIT_DOCS = 4096  # documents per encoded unit: the granularity of resuming
+UNIT_DOCS = 4096  # at most this many documents per encoded unit: the granularity of resuming
+UNIT_BYTES = 1 << 19  # a unit ends at the first line past this many bytes: about 0.1 s of encoding
 BATCH_DOCS = 64
 _SP: dict[str, Any] = {}  # the process's tokenizer, by model path
 
@@ -68,33 +71,6 @@ def encode_batch(sp: Any, texts: list[str], dtype: str) -> np.ndarray:
     return np.asarray(flat, dtype=dtype)
 
 
-def _encode_task(task: tuple[str, list[str], str]) -> bytes:
-    return encode_batch(load_tokenizer(Path(task[0])), task[1], task[2]).tobytes()
-
-
-def encode_stream(docs: Iterator[str], model_file: Path, dtype: str, workers: int) -> Iterator[bytes]:
-    """Encoded batches of documents in input order on `workers` processes (bench/bench_shard.py uses it)."""
-
-    def tasks() -> Iterator[tuple[str, list[str], str]]:
-        batch: list[str] = []
-        for d in docs:
-            batch.append(d)
-            if len(batch) == BATCH_DOCS:
-                yield str(model_file), batch, dtype
-                batch = []
-        if batch:
-            yield str(model_file), batch, dtype
-
-    if workers <= 1:
-        yield from map(_encode_task, tasks())
-        return
-    import multiprocessing as mp
-
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-    with ctx.Pool(workers) as pool:
-        yield from pool.imap(_encode_task, tasks(), chunksize=1)
-
-
 def verify_corpus(corpus: Path) -> dict[str, Any]:
     """The corpus manifest, after checking every split file against the sha256 that fetch recorded."""
     mpath = corpus / "manifest.json"
@@ -118,17 +94,18 @@ def verify_corpus(corpus: Path) -> dict[str, Any]:
     return manifest
 
 
-def unit_offsets(path: Path, unit_docs: int) -> list[tuple[int, int, int]]:
-    """(start byte, end byte, first line number) of each unit of `unit_docs` lines."""
+def unit_offsets(path: Path, unit_docs: int, unit_bytes: int = UNIT_BYTES) -> list[tuple[int, int, int]]:
+    """(start byte, end byte, first line number) of each unit: `unit_docs` lines, or fewer lines once the
+    unit holds `unit_bytes` bytes. Depends on the file only, never on the task count."""
     units: list[tuple[int, int, int]] = []
     start, n, lineno, pos = 0, 0, 1, 0
     with open(path, "rb") as f:
         for line in f:
             pos += len(line)
             n += 1
-            if n == unit_docs:
+            if n == unit_docs or pos - start >= unit_bytes:
                 units.append((start, pos, lineno))
-                start, n, lineno = pos, 0, lineno + unit_docs
+                start, n, lineno = pos, 0, lineno + n
     if n:
         units.append((start, pos, lineno))
     return units
@@ -162,16 +139,18 @@ class EncodeUnits(PipelineStep):
     def _one(self, sp: Any, split: str, idx: int, path: str, start: int, end: int, lineno: int) -> None:
         folder = self.staging / "units"
         counts_file = folder / f"{unit_name(split, idx)}.json"
-        if counts_file.exists():  # finished by an earlier, interrupted run
+        if counts_file.exists():  # finished by an earlier, interrupted run (build_shards checked it)
             return
         folder.mkdir(parents=True, exist_ok=True)
         out = folder / f"{unit_name(split, idx)}.bin"
         tmp = folder / f".{out.name}.tmp-{os.getpid()}"
         docs = nbytes = tokens = 0
+        digest = hashlib.sha256()
         with open(path, "rb") as src, open(tmp, "wb") as f:
             src.seek(start)
             batch: list[str] = []
-            for n, raw in enumerate(src.read(end - start).splitlines()):
+            lines = src.read(end - start).splitlines()
+            for n, raw in enumerate(lines):
                 try:
                     text = json.loads(raw)["text"]
                     if not isinstance(text, str):
@@ -181,19 +160,47 @@ class EncodeUnits(PipelineStep):
                 docs += 1
                 nbytes += len(text.encode("utf-8"))
                 batch.append(text)
-                if len(batch) == BATCH_DOCS:
-                    arr = encode_batch(sp, batch, self.dtype)
-                    f.write(arr.tobytes())
-                    tokens += arr.size
+                if len(batch) == BATCH_DOCS or n == len(lines) - 1:
+                    blob = encode_batch(sp, batch, self.dtype).tobytes()
+                    f.write(blob)
+                    digest.update(blob)
+                    tokens += len(blob) // np.dtype(self.dtype).itemsize
                     batch = []
-            if batch:
-                arr = encode_batch(sp, batch, self.dtype)
-                f.write(arr.tobytes())
-                tokens += arr.size
-            f.flush()
-            os.fsync(f.fileno())
+        # Not fsynced (a unit is an intermediate file; a sync each cost more than encoding a small unit):
+        # the renames make each file whole or absent after a kill, and the token file's sha256 in the
+        # counts file catches one that a power loss left bad (see _drop_bad_units).
         os.replace(tmp, out)
-        atomic_write_text(counts_file, canonical_json({"docs": docs, "bytes": nbytes, "tokens": tokens}))
+        counts = {"docs": docs, "bytes": nbytes, "tokens": tokens, "sha256": digest.hexdigest()}
+        tmp_counts = folder / f".{counts_file.name}.tmp-{os.getpid()}"
+        tmp_counts.write_text(canonical_json(counts), encoding="utf-8")
+        os.replace(tmp_counts, counts_file)
+
+
+def _unit_tokens(units_dir: Path, name: str, dtype: str) -> tuple[dict[str, Any], np.ndarray] | None:
+    """A finished unit's counts and tokens, or None when its files are missing or disagree."""
+    try:
+        counts = json.loads((units_dir / f"{name}.json").read_text(encoding="utf-8"))
+        blob = (units_dir / f"{name}.bin").read_bytes()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(counts, dict) or hashlib.sha256(blob).hexdigest() != counts.get("sha256"):
+        return None
+    return counts, np.frombuffer(blob, dtype=dtype)
+
+
+def _drop_bad_units(units_dir: Path, names: list[str], dtype: str) -> int:
+    """Delete the files of units that do not check out (so they are encoded again); return how many are
+    finished and good."""
+    good = 0
+    for name in names:
+        if not (units_dir / f"{name}.json").exists():
+            continue
+        if _unit_tokens(units_dir, name, dtype) is None:
+            for suffix in (".json", ".bin"):
+                (units_dir / f"{name}{suffix}").unlink(missing_ok=True)
+        else:
+            good += 1
+    return good
 
 
 class _ShardWriter:
@@ -243,6 +250,7 @@ def _state_key(corpus_manifest: dict[str, Any], model_sha: str, dtype: str, unit
         "tokenizer": model_sha,
         "dtype": dtype,
         "unit_docs": unit_docs,
+        "unit_bytes": UNIT_BYTES,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
 
@@ -300,7 +308,7 @@ def build_shards(
         path = corpus / f"{split}.jsonl"
         for i, (start, end, lineno) in enumerate(unit_offsets(path, unit_docs)):
             units.append((split, i, str(path), start, end, lineno))
-    done = sum((staging / "units" / f"{unit_name(s, i)}.json").exists() for s, i, *_ in units)
+    done = _drop_bad_units(staging / "units", [unit_name(s, i) for s, i, *_ in units], dtype)
     if done:
         log(f"shard: resuming: {done} of {len(units)} units already encoded")
     stage = Stage(
@@ -321,10 +329,15 @@ def build_shards(
         counts = {"docs": 0, "bytes": 0, "tokens": 0}
         mine = [i for s, i, *_ in units if s == split]
         for i in progress(mine, desc=f"shard {split}", unit="unit"):
-            c = json.loads((staging / "units" / f"{unit_name(split, i)}.json").read_text())
+            unit = _unit_tokens(staging / "units", unit_name(split, i), dtype)
+            if unit is None:  # a unit changed after encoding: never build shards from it
+                raise DataError(
+                    f"{staging / 'units' / unit_name(split, i)}: unit files missing or altered; rerun"
+                )
+            c, tokens = unit
             for k in counts:
                 counts[k] += c[k]
-            writer.write(np.fromfile(staging / "units" / f"{unit_name(split, i)}.bin", dtype=dtype))
+            writer.write(tokens)
         splits[split] = {**counts, "shards": writer.finish()}
     manifest = {
         "dtype": dtype,
