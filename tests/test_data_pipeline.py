@@ -152,6 +152,33 @@ def test_tokenizer_is_deterministic(built, tmp_path):
     assert rep["val"]["chars_per_token"] > 1.0
 
 
+def test_val_check_in_chunks_reports_as_one_check(built, tmp_path, monkeypatch):
+    """The tokenizer.json check reads the val split in chunks (bounded memory); the report is unchanged."""
+    import enlace.data.tokenize as tokenize
+
+    val_docs = len((built / "corpus" / "val.jsonl").read_text(encoding="utf-8").splitlines())
+    assert val_docs > 3
+    monkeypatch.setattr(tokenize, "VAL_CHECK_DOCS", 3)
+    build_tokenizer(
+        TokenizerConfig(type="bpe", vocab_size=400, num_threads=1), built / "corpus", tmp_path / "t"
+    )
+    assert (tmp_path / "t" / "report.json").read_bytes() == (built / "tok" / "report.json").read_bytes()
+    assert (tmp_path / "t" / "tokenizer.json").read_bytes() == (built / "tok" / "tokenizer.json").read_bytes()
+
+
+def test_training_on_every_sentence_of_a_large_split_is_refused(built, tmp_path, monkeypatch):
+    import enlace.data.tokenize as tokenize
+
+    monkeypatch.setattr(tokenize, "ALL_SENTENCES_MAX_BYTES", 1000)
+    with pytest.raises(DataError, match="input_sentence_size 0 .* set data.tokenizer.input_sentence_size"):
+        build_tokenizer(TokenizerConfig(type="bpe", vocab_size=400), built / "corpus", tmp_path / "t")
+    sampled = TokenizerConfig(type="bpe", vocab_size=400, num_threads=1, input_sentence_size=500)
+    assert (
+        build_tokenizer(sampled, built / "corpus", tmp_path / "t")["training_input"]["input_sentence_size"]
+        == 500
+    )
+
+
 def test_shards_match_direct_encoding(built):
     import sentencepiece as spm
 
