@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import heapq
 import itertools
 import json
 import os
@@ -19,9 +21,10 @@ from ..hf.sp_convert import convert as convert_tokenizer
 from ..io import atomic_write_text, canonical_json, fsync_file, sha256_file
 from .util import log, progress
 
-# sentencepiece's peak memory while training, per byte of the sentences it trains on (its sample), measured
-# on bench/bench_data.py text with vocab 8192 (a 16 MiB sample: unigram 20x, bpe 5.5x; README "Data at
-# scale"). The sample is input_sentence_size sentences, so memory is bounded by the sample, not the corpus.
+# Peak memory of training, per byte of the sentences trained on (the sample), an upper bound from runs on
+# bench/bench_data.py text with vocab 8192 (6-16 MiB samples: unigram about 20x, bpe 4-6x plus ~50 MiB;
+# README "Data at scale"). The sample is input_sentence_size sentences: memory is bounded by it, not by
+# the corpus.
 MEMORY_PER_SAMPLE_BYTE = {"unigram": 21, "bpe": 6}
 # With input_sentence_size 0 every sentence is the sample: refused above this much training text.
 ALL_SENTENCES_MAX_BYTES = 64 << 20
@@ -107,14 +110,33 @@ def training_sentences(docs: Iterator[str], max_bytes: int, stats: dict[str, int
                 yield p
 
 
+def sample_sentences(sentences: Iterator[str], n: int, seed: int) -> list[str]:
+    """A seeded uniform sample of n sentences of the stream, kept in stream order (all when fewer).
+
+    The n positions with the smallest keyed hash win: the same sample in every process and on every
+    platform, holding n sentences. sentencepiece's own sampling (its input_sentence_size) is not: the same
+    seed gave different models in two processes (sentencepiece 0.2.3).
+    """
+    heap: list[tuple[int, int, str]] = []  # (-key, position, sentence): the largest key on top
+    salt = f"enlace-sample:{seed}:".encode()
+    for i, sentence in enumerate(sentences):
+        key = int.from_bytes(hashlib.blake2b(salt + str(i).encode(), digest_size=8).digest(), "big")
+        if len(heap) < n:
+            heapq.heappush(heap, (-key, i, sentence))
+        elif key < -heap[0][0]:
+            heapq.heapreplace(heap, (-key, i, sentence))
+    heap.sort(key=lambda e: e[1])
+    return [e[2] for e in heap]
+
+
 def train_sentencepiece(sentences: Iterator[str], prefix: Path, cfg: TokenizerConfig) -> None:
     """Train and write prefix.model and prefix.vocab.
 
     The input goes in through an iterator and the model comes out through a writer: given file names,
     sentencepiece records them in the model, and the same training in another folder gives other bytes.
-    With input_sentence_size > 0, sentencepiece keeps a seeded random sample of that many sentences
-    (reservoir sampling over the stream), so memory is bounded by the sample, not by the corpus: about
-    MEMORY_PER_SAMPLE_BYTE times the sample's text.
+    sentencepiece trains on every sentence it is given: build_tokenizer passes the sample of
+    input_sentence_size sentences (`sample_sentences`), so memory is bounded by the sample, not by the
+    corpus: about MEMORY_PER_SAMPLE_BYTE times the sample's text.
     """
     import io
 
@@ -139,8 +161,8 @@ def train_sentencepiece(sentences: Iterator[str], prefix: Path, cfg: TokenizerCo
         eos_piece="</s>",
         user_defined_symbols=list(cfg.user_defined_symbols),
         max_sentence_length=cfg.max_sentence_length,
-        input_sentence_size=cfg.input_sentence_size,
-        shuffle_input_sentence=cfg.input_sentence_size > 0,
+        input_sentence_size=0,  # the caller samples (reproducibly); see sample_sentences
+        shuffle_input_sentence=False,
         split_digits=cfg.split_digits,
         # Keep text as written: identity normalization (the corpus is NFC already) and no whitespace
         # squeezing, so decode(encode(text)) == text and bits-per-byte are measured on the real bytes.
@@ -253,6 +275,8 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
                 yield sentence
 
         sentences = counted(training_sentences(read_docs(train_file), cfg.max_sentence_length, prep))
+        if cfg.input_sentence_size:
+            sentences = iter(sample_sentences(sentences, cfg.input_sentence_size, cfg.seed))
         stages.update(1)
         stages.set_postfix_str(f"training {cfg.type} vocab {cfg.vocab_size}")
         t1 = time.perf_counter()
