@@ -56,21 +56,34 @@ def make_parquet(folder: Path, mib: int, file_mib: int = 64, seed: int = 0) -> i
     )
     weights[len(FUNCTION) :] *= 0.65 / weights[len(FUNCTION) :].sum()
     weights /= weights.sum()
-    suffixes = np.array([""] * 8 + ["s", "es", "ado", "ción", "mente", "ista"])
+    suffixes = [""] * 8 + ["s", "es", "ado", "ción", "mente", "ista"]
+    words, cdf = vocab.tolist(), np.cumsum(weights)
     total, i = 0, 0
     folder.mkdir(parents=True, exist_ok=True)
     while total < mib << 20:
-        texts = []
+        texts: list[str] = []
         size = 0
         while size < file_mib << 20 and total + size < mib << 20:
-            paras = []
-            for _ in range(rng.integers(3, 8)):
-                n = int(rng.integers(40, 120))
-                words = np.char.add(rng.choice(vocab, n, p=weights), rng.choice(suffixes, n))
-                paras.append(" ".join(words.tolist()).capitalize() + ".")
-            doc = "\n\n".join(paras)
-            texts.append(doc)
-            size += len(doc.encode())
+            # A batch of 500 documents of 3-7 paragraphs of 40-119 words, all words drawn at once.
+            paras = rng.integers(3, 8, size=500)
+            lengths = rng.integers(40, 120, size=int(paras.sum()))
+            n = int(lengths.sum())
+            idx = np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1]), len(words) - 1).tolist()
+            suf = rng.integers(0, len(suffixes), size=n).tolist()
+            drawn = [words[a] + suffixes[b] for a, b in zip(idx, suf, strict=True)]
+            ends = np.cumsum(lengths).tolist()
+            para_text = [
+                " ".join(drawn[e - k : e]).capitalize() + "."
+                for e, k in zip(ends, lengths.tolist(), strict=True)
+            ]
+            at = 0
+            for k in paras.tolist():
+                doc = "\n\n".join(para_text[at : at + k])
+                at += k
+                texts.append(doc)
+                size += len(doc.encode())
+                if size >= file_mib << 20 or total + size >= mib << 20:
+                    break
         pq.write_table(
             pa.table({"id": [str(j) for j in range(len(texts))], "text": texts}), folder / f"{i:03d}.parquet"
         )
