@@ -7,8 +7,9 @@ memory of the whole process tree. A benchmark, not a test:
 
     python -m bench.bench_data --mib 256 --tasks 1 2
 
-Prints MB/s of input text per stage and the peak RSS (sum over the process tree) and writes
-bench/results/data.json. The goal (issue 13): peak under 2 GiB for a 10 GiB corpus.
+Prints MB/s of input text and the peak RSS (sum over the process tree) per stage, and whether the corpus
+and shards are identical across task counts; writes bench/results/data-<MiB>mib.json. The goal (issue 13):
+peak under 2 GiB for a 10 GiB corpus, i.e. a peak that does not grow with the corpus.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_SENTENCES = 100_000  # tokenizer sample: ~50 MiB of these ~0.5 KB lines
 FUNCTION = "de la que el en y los del se las por un para con una su al lo como más pero sus le ya".split()
 CONTENT = (
     "casa ciudad río montaña libro mesa camino puerta ventana pueblo barco jardín árbol historia tiempo "
@@ -54,21 +56,34 @@ def make_parquet(folder: Path, mib: int, file_mib: int = 64, seed: int = 0) -> i
     )
     weights[len(FUNCTION) :] *= 0.65 / weights[len(FUNCTION) :].sum()
     weights /= weights.sum()
-    suffixes = np.array([""] * 8 + ["s", "es", "ado", "ción", "mente", "ista"])
+    suffixes = [""] * 8 + ["s", "es", "ado", "ción", "mente", "ista"]
+    words, cdf = vocab.tolist(), np.cumsum(weights)
     total, i = 0, 0
     folder.mkdir(parents=True, exist_ok=True)
     while total < mib << 20:
-        texts = []
+        texts: list[str] = []
         size = 0
         while size < file_mib << 20 and total + size < mib << 20:
-            paras = []
-            for _ in range(rng.integers(3, 8)):
-                n = int(rng.integers(40, 120))
-                words = np.char.add(rng.choice(vocab, n, p=weights), rng.choice(suffixes, n))
-                paras.append(" ".join(words.tolist()).capitalize() + ".")
-            doc = "\n\n".join(paras)
-            texts.append(doc)
-            size += len(doc.encode())
+            # A batch of 500 documents of 3-7 paragraphs of 40-119 words, all words drawn at once.
+            paras = rng.integers(3, 8, size=500)
+            lengths = rng.integers(40, 120, size=int(paras.sum()))
+            n = int(lengths.sum())
+            idx = np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1]), len(words) - 1).tolist()
+            suf = rng.integers(0, len(suffixes), size=n).tolist()
+            drawn = [words[a] + suffixes[b] for a, b in zip(idx, suf, strict=True)]
+            ends = np.cumsum(lengths).tolist()
+            para_text = [
+                " ".join(drawn[e - k : e]).capitalize() + "."
+                for e, k in zip(ends, lengths.tolist(), strict=True)
+            ]
+            at = 0
+            for k in paras.tolist():
+                doc = "\n\n".join(para_text[at : at + k])
+                at += k
+                texts.append(doc)
+                size += len(doc.encode())
+                if size >= file_mib << 20 or total + size >= mib << 20:
+                    break
         pq.write_table(
             pa.table({"id": [str(j) for j in range(len(texts))], "text": texts}), folder / f"{i:03d}.parquet"
         )
@@ -109,44 +124,48 @@ def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
     import resource
 
     times: dict[str, float] = {}
-    rss: dict[
-        str, float
-    ] = {}  # the child's own peak so far (MiB) after each stage; tasks run in other processes
+    # The child's own peak so far (MiB) after each stage; tasks run in other processes (the parent samples
+    # the whole tree, per stage, through the stage file).
+    rss: dict[str, float] = {}
+    stage_file = work / f"stage{tasks}"
 
-    def mark(stage: str) -> None:
+    def start(stage: str) -> float:
+        stage_file.write_text(stage)
+        return time.perf_counter()
+
+    def mark(stage: str, t: float) -> None:
+        times[stage] = time.perf_counter() - t
         rss[stage] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-    t = time.perf_counter()
+    t = start("fetch")
     lock = Lock.load(work / f"lock{tasks}.json")
     roots = {"synth": fetch_source(data.sources[0], raw, lock)}
     lock.save()
-    times["fetch"] = time.perf_counter() - t
-    mark("fetch")
+    mark("fetch", t)
     items = work_items(data, roots)
     extract, rest = corpus_stages(data, items, raw / ".work", out, "bench")
-    t = time.perf_counter()
+    t = start("extract+clean")
     run_stages(extract, data.executor, work / "logs" / "extract")
     raise_recorded_errors(raw / ".work")
-    times["extract+clean"] = time.perf_counter() - t
-    mark("extract+clean")
-    t = time.perf_counter()
-    run_stages(rest, data.executor, work / "logs" / "dedup")
-    raise_recorded_errors(raw / ".work")
-    times["dedup+split"] = time.perf_counter() - t
-    mark("dedup+split")
-    t = time.perf_counter()
+    mark("extract+clean", t)
+    for stage in rest:  # exact dedup, MinHash signatures, buckets, cluster, split+write
+        t = start(stage.name)
+        run_stages([stage], data.executor, work / "logs" / stage.name)
+        raise_recorded_errors(raw / ".work")
+        mark(stage.name, t)
+    t = start("tokenizer")
     # A fixed thread count: the tokenizer is trained once, not per task, and its threads change the model.
-    tok = TokenizerConfig(type="unigram", vocab_size=8192, input_sentence_size=200_000, num_threads=2)
+    # The sample (input_sentence_size sentences, ~0.5 KB each here) bounds its memory, not the corpus.
+    tok = TokenizerConfig(type="bpe", vocab_size=8192, input_sentence_size=SAMPLE_SENTENCES, num_threads=2)
     build_tokenizer(tok, out, work / f"tok{tasks}")
-    times["tokenizer"] = time.perf_counter() - t
-    mark("tokenizer")
-    t = time.perf_counter()
+    mark("tokenizer", t)
+    t = start("shard")
     m = build_shards(out, work / f"tok{tasks}", work / f"shards{tasks}", "uint16", 8192, 1 << 24, tasks=tasks)
-    times["shard"] = time.perf_counter() - t
-    mark("shard")
+    mark("shard", t)
     manifest_sha = (
         __import__("hashlib").sha256((work / f"shards{tasks}" / "manifest.json").read_bytes()).hexdigest()
     )
+    corpus_sha = __import__("hashlib").sha256((out / "train.jsonl").read_bytes()).hexdigest()
     print(
         json.dumps(
             {
@@ -154,6 +173,7 @@ def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
                 "self_peak_rss_mib_after": rss,
                 "mb_per_s": {k: text_bytes / 1e6 / v for k, v in times.items()},
                 "tokens": m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"],
+                "corpus_train_sha256": corpus_sha,
                 "shard_manifest_sha256": manifest_sha,
             }
         )
@@ -217,8 +237,16 @@ def main() -> None:
             errlog = open(work / f"child{tasks}.log", "w")  # noqa: SIM115 - closed after the wait
             p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errlog, text=True)
             peak = 0
+            stage_peak: dict[str, int] = {}
+            stage_file = work / f"stage{tasks}"
             while p.poll() is None:
-                peak = max(peak, tree_rss(p.pid))
+                now = tree_rss(p.pid)
+                peak = max(peak, now)
+                try:
+                    stage = stage_file.read_text()
+                except OSError:
+                    stage = "start"
+                stage_peak[stage] = max(stage_peak.get(stage, 0), now)
                 time.sleep(0.2)
             out = p.stdout.read() if p.stdout else ""
             errlog.close()
@@ -227,11 +255,17 @@ def main() -> None:
                 raise SystemExit(f"bench child with {tasks} tasks failed ({p.returncode}):\n{tail}")
             r = json.loads(out.strip().splitlines()[-1])
             r["peak_rss_mib"] = peak / 2**20
+            r["stage_peak_rss_mib"] = {k: v / 2**20 for k, v in stage_peak.items()}
             results[f"tasks_{tasks}"] = r
-            rates = ", ".join(f"{k} {v:.1f}" for k, v in r["mb_per_s"].items())
-            print(f"{tasks} task(s): MB/s of text: {rates}; peak RSS {peak / 2**20:.0f} MiB (process tree)")
+            rates = ", ".join(
+                f"{k} {v:.1f} MB/s {r['stage_peak_rss_mib'].get(k, 0):.0f} MiB"
+                for k, v in r["mb_per_s"].items()
+            )
+            print(f"{tasks} task(s): {rates}; peak RSS {peak / 2**20:.0f} MiB (process tree)", flush=True)
+    shas = {r["corpus_train_sha256"] + r["shard_manifest_sha256"] for r in results.values()}
+    print(f"corpus and shard manifest identical across task counts: {len(shas) == 1}")
     summary = {"text_mib": text_bytes / 2**20, "cores": os.cpu_count(), "results": results}
-    out = ROOT / "bench" / "results" / "data.json"
+    out = ROOT / "bench" / "results" / f"data-{args.mib}mib.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(summary, indent=2) + "\n")
 

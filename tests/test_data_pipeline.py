@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -150,6 +151,67 @@ def test_tokenizer_is_deterministic(built, tmp_path):
     marker = sp.piece_to_id("<|im_start|>")
     assert marker > 3 and marker in sp.encode("hola<|im_start|>adiós")  # one piece, never split
     assert rep["val"]["chars_per_token"] > 1.0
+
+
+def test_val_check_in_chunks_reports_as_one_check(built, tmp_path, monkeypatch):
+    """The tokenizer.json check reads the val split in chunks (bounded memory); the report is unchanged."""
+    import enlace.data.tokenize as tokenize
+
+    val_docs = len((built / "corpus" / "val.jsonl").read_text(encoding="utf-8").splitlines())
+    assert val_docs > 3
+    monkeypatch.setattr(tokenize, "VAL_CHECK_DOCS", 3)
+    build_tokenizer(
+        TokenizerConfig(type="bpe", vocab_size=400, num_threads=1), built / "corpus", tmp_path / "t"
+    )
+    assert (tmp_path / "t" / "report.json").read_bytes() == (built / "tok" / "report.json").read_bytes()
+    assert (tmp_path / "t" / "tokenizer.json").read_bytes() == (built / "tok" / "tokenizer.json").read_bytes()
+
+
+def test_training_on_every_sentence_of_a_large_split_is_refused(built, tmp_path, monkeypatch):
+    import enlace.data.tokenize as tokenize
+
+    monkeypatch.setattr(tokenize, "ALL_SENTENCES_MAX_BYTES", 1000)
+    with pytest.raises(DataError, match="input_sentence_size 0 .* set data.tokenizer.input_sentence_size"):
+        build_tokenizer(TokenizerConfig(type="bpe", vocab_size=400), built / "corpus", tmp_path / "t")
+    sampled = TokenizerConfig(type="bpe", vocab_size=400, num_threads=1, input_sentence_size=500)
+    assert (
+        build_tokenizer(sampled, built / "corpus", tmp_path / "t")["training_input"]["input_sentence_size"]
+        == 500
+    )
+
+
+def test_sentence_sample_is_seeded_bounded_and_in_order():
+    from enlace.data.tokenize import sample_sentences
+
+    lines = [f"frase {i}" for i in range(1000)]
+    a = sample_sentences(iter(lines), 100, seed=0)
+    assert a == sample_sentences(iter(lines), 100, seed=0) and len(a) == 100
+    assert a == sorted(a, key=lines.index)  # corpus order
+    assert a != sample_sentences(iter(lines), 100, seed=1)
+    assert sample_sentences(iter(lines[:50]), 100, seed=0) == lines[:50]
+
+
+def test_sampled_tokenizer_is_identical_in_another_process(built, tmp_path):
+    """input_sentence_size below the sentence count: the same model in a fresh process (sentencepiece's
+    own sampling was not reproducible across processes)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from enlace.config.data import TokenizerConfig; "
+        "from enlace.data.tokenize import build_tokenizer; "
+        "build_tokenizer(TokenizerConfig(type='bpe', vocab_size=400, num_threads=1, input_sentence_size=150), "
+        "Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    tok = TokenizerConfig(type="bpe", vocab_size=400, num_threads=1, input_sentence_size=150)
+    rep = build_tokenizer(tok, built / "corpus", tmp_path / "here")
+    assert rep["training_input"]["lines"] > 150
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "ENLACE_NO_PROGRESS": "1"}
+    subprocess.run(
+        [sys.executable, "-c", code, str(built / "corpus"), str(tmp_path / "there")], env=env, check=True
+    )
+    for name in ("tokenizer.model", "report.json"):
+        assert (tmp_path / "here" / name).read_bytes() == (tmp_path / "there" / name).read_bytes()
 
 
 def test_shards_match_direct_encoding(built):

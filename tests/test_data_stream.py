@@ -65,6 +65,10 @@ def test_exact_normalized_and_near_duplicates_are_dropped(tmp_path):
     assert s["duplicates_dropped"] == 2 and s["near_duplicates_dropped"] == 1 and s["docs"] == 6
     text = (tmp_path / "c" / "train.jsonl").read_text(encoding="utf-8")
     assert "zanahoria" not in text  # the first occurrence wins
+    # Signatures are computed per file in parallel tasks; the decisions must not depend on the task count.
+    build_corpus(data, "h", tmp_path / "raw", tmp_path / "c3", None, workers=2, tasks=3)
+    for name in ("train.jsonl", "val.jsonl", "manifest.json"):
+        assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "c3" / name).read_bytes()
     # Without near-dedup, the near duplicate stays.
     loose = data_config(
         [{"name": "gen", "kind": "local", "path": str(src)}],

@@ -97,8 +97,9 @@ class TokenizerConfig(Strict):
     character_coverage: StrictFloat = Field(default=0.9995, gt=0, le=1)
     # Sentences longer than this (bytes) are split before training, never silently skipped.
     max_sentence_length: StrictInt = Field(default=4192, gt=0)
-    # Sentences (lines) of the training split that sentencepiece samples for training, with a seeded
-    # shuffle; 0 takes every sentence (only sensible for small corpora: it holds them all in memory).
+    # Sentences (lines) of the training split the tokenizer trains on: enlace draws this seeded sample in
+    # corpus order (sentencepiece's own sampling differs between processes); 0 takes every sentence, refused
+    # above 64 MiB of training text because sentencepiece holds them all in memory.
     input_sentence_size: StrictInt = Field(default=0, ge=0)
     seed: StrictInt = 0
     user_defined_symbols: list[str] = ["<|im_start|>", "<|im_end|>"]

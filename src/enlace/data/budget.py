@@ -19,7 +19,10 @@ from ..errors import DataError
 # Spanish text with a sentencepiece vocabulary of 8k-32k: about 4 characters per token (measured on the
 # es-debian corpus: 16.3 M characters, about 4 M tokens at 8k; see the offline-resources notes).
 DEFAULT_CHARS_PER_TOKEN = 4.0
-KEYS = "train.max_steps, train.global_batch_size or model.seq_len, a larger data config, or data.max_epochs"
+KEYS = (
+    "train.max_steps, train.global_batch_size or model.seq_len, a larger data config (or a source's max_files), "
+    "or data.max_epochs"
+)
 
 
 @dataclass
@@ -74,7 +77,9 @@ def available_tokens(
         est = int(cm["splits"]["train"]["chars"] / cpt)
         return est, f"{corpus} (estimated at {cpt:.2f} chars/token)", False
     if cfg.data.estimated_tokens:
-        return cfg.data.estimated_tokens, f"data config {cfg.data.name} (its estimated_tokens)", False
+        # The config's own estimate (its comments say how it was made); exact numbers replace it once built.
+        where = f"data config {cfg.data.name} (its estimated_tokens, an estimate until `enlace fetch` runs)"
+        return cfg.data.estimated_tokens, where, False
     return None, f"`enlace fetch` builds {corpus}", False
 
 

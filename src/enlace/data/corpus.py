@@ -1,8 +1,8 @@
 """Build the corpus as a stream: fetch every source, then extract+clean, dedup, cap, split and write.
 
-The stages are datatrove pipelines (see `engine`): extract+clean runs as `data.executor.tasks` tasks, one
-output file per input file; merging, near-dedup and the split run as single ordered tasks, so the corpus
-is the same whatever the task count. `run_fetch` is `enlace fetch`.
+The stages are datatrove pipelines (see `engine`): extract+clean and the MinHash signatures run as
+`data.executor.tasks` tasks, split by input file; the exact-dedup decision, MinHash clustering and the final
+write run as single ordered tasks, so the corpus is the same whatever the task count. `run_fetch` is `enlace fetch`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,12 @@ from .engine import Stage, run_stages
 from .extract import list_files
 from .sources import Lock, Source, fetch_source
 from .steps import (
+    ExactDedup,
     ExtractClean,
     Finalize,
-    MergeExact,
+    MinhashFiles,
     SpanishWords,
+    Survivors,
     WorkItem,
     docs_path,
     item_key,
@@ -56,57 +58,58 @@ def work_items(data: DataConfig, roots: dict[str, Path]) -> list[WorkItem]:
     return items
 
 
-def _minhash_stages(items: list[WorkItem], work: Path, dedup: bool) -> tuple[list[Stage], list[Any]]:
-    """datatrove's MinHash dedup: signatures, buckets, clusters (three stages), then a filter step."""
-    from datatrove.pipeline.dedup.minhash import (
-        MinhashConfig,
-        MinhashDedupBuckets,
-        MinhashDedupCluster,
-        MinhashDedupFilter,
-        MinhashDedupSignature,
-    )
+def minhash_config() -> Any:
+    from datatrove.pipeline.dedup.minhash import MinhashConfig
     from datatrove.utils.hashing import HashConfig
 
     # sha1: datatrove 0.10.1 hands str to xxhash, which current xxhash refuses.
-    cfg = MinhashConfig(
+    return MinhashConfig(
         n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1, hash_config=HashConfig(hash_fc="sha1")
     )
-    mh = work / "minhash"
-    stages = [
-        Stage(
-            "minhash-signatures",
-            [
-                MergeExact(items, work, dedup, stats_name="merge-sig.json"),
-                MinhashDedupSignature(str(mh / "sigs"), config=cfg, language=SpanishWords()),
-            ],
-        ),
-        # One task per bucket, as datatrove requires; each merges sorted signature files.
-        Stage(
-            "minhash-buckets",
-            [MinhashDedupBuckets(str(mh / "sigs"), str(mh / "buckets"), config=cfg)],
-            tasks=cfg.num_buckets,
-        ),
-        Stage("minhash-cluster", [MinhashDedupCluster(str(mh / "buckets"), str(mh / "remove"), config=cfg)]),
-    ]
-    return stages, [MinhashDedupFilter(str(mh / "remove"))]
 
 
 def corpus_stages(
     data: DataConfig, items: list[WorkItem], work: Path, out: Path, config_hash: str
 ) -> tuple[list[Stage], list[Stage]]:
-    """(extraction stages, merge/dedup/split stages) for the configured executor."""
-    tasks = data.executor.tasks or os.cpu_count() or 1
-    extract = [Stage("extract", [ExtractClean(items, data.cleaning, work)], tasks=min(tasks, len(items)))]
-    stages: list[Stage] = []
-    filters: list[Any] = []
-    if data.cleaning.dedup and data.cleaning.near_dedup:
-        stages, filters = _minhash_stages(items, work, data.cleaning.dedup)
-    final = [
-        MergeExact(items, work, data.cleaning.dedup),
-        *filters,
-        Finalize(data, work, out, config_hash, items),
-    ]
-    stages.append(Stage("split", final))
+    """(extraction stages, dedup/split stages) for the configured executor.
+
+    Per file, in `tasks` parallel tasks: extract+clean (with each document's normalized key), MinHash
+    signatures. Single ordered tasks: the exact-dedup decision (reads hashes only), datatrove's MinHash
+    clustering, and the final stream that writes the corpus. datatrove's bucket stage runs one task per
+    bucket.
+    """
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+
+    tasks = min(data.executor.tasks or os.cpu_count() or 1, len(items))
+    cl = data.cleaning
+    extract = [Stage("extract", [ExtractClean(items, cl, work)], tasks=tasks)]
+    stages = [Stage("exact-dedup", [ExactDedup(items, work, cl.dedup)])]
+    near = None
+    if cl.dedup and cl.near_dedup:
+        cfg = minhash_config()
+        mh = work / "minhash"
+        sig = MinhashDedupSignature(str(mh / "sigs"), config=cfg, language=SpanishWords())
+        stages += [
+            Stage("minhash-signatures", [MinhashFiles(items, work, sig)], tasks=tasks),
+            # One task per bucket, as datatrove requires; each merges the sorted signature files.
+            Stage(
+                "minhash-buckets",
+                [MinhashDedupBuckets(str(mh / "sigs"), str(mh / "buckets"), config=cfg)],
+                tasks=cfg.num_buckets,
+            ),
+            Stage(
+                "minhash-cluster", [MinhashDedupCluster(str(mh / "buckets"), str(mh / "remove"), config=cfg)]
+            ),
+        ]
+        near = MinhashDedupFilter(str(mh / "remove"))
+    stages.append(
+        Stage("split", [Survivors(items, work, near), Finalize(data, work, out, config_hash, items)])
+    )
     return extract, stages
 
 
@@ -168,6 +171,7 @@ def build_corpus(
     errors = work / "errors"
     shutil.rmtree(errors, ignore_errors=True)
     shutil.rmtree(work / "minhash", ignore_errors=True)
+    shutil.rmtree(work / "dedup", ignore_errors=True)
     extract, rest = corpus_stages(data, items, work, Path(out), config_hash)
     logs = (
         Path(raw).parent / "logs" / "fetch"

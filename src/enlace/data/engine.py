@@ -8,6 +8,7 @@ A stage is a list of datatrove pipeline steps and a task count. `run_stages` run
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from dataclasses import dataclass
@@ -55,10 +56,8 @@ def _cluster(stage: Stage, cfg: ExecutorConfig, logs: Path, depends: Any) -> Any
             skip_completed=False,
             **opts,
         )
-    try:
-        from datatrove.executor import RayPipelineExecutor
-    except ImportError as e:  # ray is not a dependency of ours; the README says to install it
-        raise DataError(f"data.executor.kind ray needs the ray package (pip install ray): {e}") from None
+    from datatrove.executor import RayPipelineExecutor
+
     return RayPipelineExecutor(
         pipeline=stage.pipeline,
         tasks=stage.tasks,
@@ -76,9 +75,16 @@ def run_stages(stages: list[Stage], cfg: ExecutorConfig, logs: Path) -> bool:
         for stage in stages:
             _local(stage, cfg, logs).run()
         return True
-    previous = None
-    for stage in stages:
-        previous = _cluster(stage, cfg, logs, previous)
-    assert previous is not None
-    previous.run()  # submits every stage; each waits for the one before it
+    # datatrove's Ray executor imports without ray and fails at run() with a traceback.
+    if cfg.kind == "ray" and importlib.util.find_spec("ray") is None:
+        raise DataError("data.executor.kind ray needs the ray package (pip install ray)")
+    cluster_executors(stages, cfg, logs)[-1].run()  # submits every stage; each waits for the one before it
     return False
+
+
+def cluster_executors(stages: list[Stage], cfg: ExecutorConfig, logs: Path) -> list[Any]:
+    """One Slurm or Ray executor per stage, each depending on the one before (nothing is submitted)."""
+    out: list[Any] = []
+    for stage in stages:
+        out.append(_cluster(stage, cfg, Path(logs), out[-1] if out else None))
+    return out

@@ -1,7 +1,10 @@
-"""Our corpus steps as datatrove pipeline steps: extract+clean per file, merge with exact dedup, finalize.
+"""Our corpus steps as datatrove pipeline steps: extract+clean per file, exact dedup, MinHash per file,
+the deduplicated stream, finalize.
 
 Memory stays bounded: documents stream through, one file at a time; exact dedup keeps 8-byte hashes;
 near-dedup is datatrove's disk-based MinHash; caps keep two numbers per document of a capped source.
+Everything that reads text runs per file in parallel tasks, except the final write, which must follow
+the corpus order; the ordered decisions (first copy wins) read only hashes and datatrove's removal lists.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from datatrove.data import Document
 from datatrove.pipeline.base import PipelineStep
 from datatrove.utils.word_tokenizers import WordTokenizer
@@ -26,9 +30,9 @@ from .clean import WORD, CleanStats, clean_document, normalized_key, split_long
 from .extract import iter_file
 from .util import log
 
-# Bump when extraction or cleaning changes what a file yields: per-file results under an old version are
-# not reused.
-STEP_VERSION = 2
+# Bump when extraction or cleaning changes what a file yields (or what is stored per file: 3 added the
+# normalized keys): per-file results under an old version are not reused.
+STEP_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -110,13 +114,19 @@ class ExtractClean(PipelineStep):
         stats = CleanStats()
         counts: dict[str, Any] = {}
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
+        keys = keys_path(self.work, item.key)
+        tmp_keys = keys.with_name(f".{keys.name}.tmp-{os.getpid()}")
+        # The normalized key of each document is computed here, in parallel tasks, so that the ordered
+        # exact-dedup decision reads 32 bytes per document instead of the text.
+        with open(tmp, "w", encoding="utf-8") as f, open(tmp_keys, "wb") as fk:
             for raw in iter_file(item.kind, Path(item.path), item.column, counts):
                 doc = clean_document(raw, self.cleaning, stats)
                 if doc is not None:
                     f.write(json.dumps({"t": doc}, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+                    fk.write(bytes.fromhex(normalized_key(doc)))
+            for h in (f, fk):
+                h.flush()
+                os.fsync(h.fileno())
         stats.replaced_bytes += counts.get("invalid_utf8", 0)
         if counts.get("invalid_utf8"):
             # Shown here, not only in the manifest: a file in another encoding or with stray bytes.
@@ -125,41 +135,154 @@ class ExtractClean(PipelineStep):
                 f"read as {counts.get('encoding', 'utf-8')}"
             )
         os.replace(tmp, out)
+        os.replace(tmp_keys, keys)
         # The stats file marks the item complete: written last.
         atomic_write_text(stats_file, canonical_json(asdict(stats)))
 
 
-class MergeExact(PipelineStep):
-    """Read the cleaned files in a fixed order and drop exact and normalized duplicates (first one wins)."""
+KEY_BYTES = 32  # a normalized key (sha256 digest) per cleaned document, in docs/<key>.keys
 
-    name = "enlace merge+exact dedup"
 
-    def __init__(self, items: list[WorkItem], work: Path, dedup: bool, stats_name: str = "merge.json"):
+def keys_path(work: Path, key: str) -> Path:
+    return docs_path(work, key).with_suffix(".keys")
+
+
+def read_docs_file(work: Path, item: WorkItem) -> Iterator[str]:
+    with open(docs_path(work, item.key), encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)["t"]
+
+
+def read_keys(work: Path, item: WorkItem) -> np.ndarray:
+    """The (docs, 32) uint8 normalized keys of one cleaned file."""
+    return np.fromfile(keys_path(work, item.key), dtype=np.uint8).reshape(-1, KEY_BYTES)
+
+
+def keep_path(work: Path) -> Path:
+    return Path(work) / "dedup" / "keep.npy"
+
+
+class ExactDedup(PipelineStep):
+    """The ordered "first copy wins" decision of exact dedup, on 8 bytes per document (no text is read).
+
+    ExtractClean stored each document's normalized key, so this single task reads only the key files, in
+    corpus order, and writes one keep flag per document (dedup/keep.npy) and the per-source counts.
+    Memory: the first 8 key bytes of every document and their sort (about 40 bytes per document, e.g.
+    ~130 MB for 3.5 M documents).
+    """
+
+    name = "enlace exact dedup"
+
+    def __init__(self, items: list[WorkItem], work: Path, dedup: bool):
         super().__init__()
-        self.items, self.work, self.dedup, self.stats_name = items, Path(work), dedup, stats_name
+        self.items, self.work, self.dedup = items, Path(work), dedup
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        if rank == 0:
+            self._run()
+        yield from ()
+
+    def _run(self) -> None:
+        heads = [read_keys(self.work, it)[:, :8].copy().view(">u8").ravel() for it in self.items]
+        counts = np.array([len(h) for h in heads], dtype=np.int64)
+        allh = np.concatenate(heads) if heads else np.zeros(0, dtype=">u8")
+        del heads
+        if self.dedup:
+            # np.unique's return_index is the first occurrence of each value: the first copy in corpus order.
+            _, first = np.unique(allh, return_index=True)
+            keep = np.zeros(len(allh), dtype=np.bool_)
+            keep[first] = True
+        else:
+            keep = np.ones(len(allh), dtype=np.bool_)
+        out: dict[str, dict[str, int]] = {}
+        start = 0
+        for item, n in zip(self.items, counts.tolist(), strict=True):
+            c = out.setdefault(item.source, {"docs": 0, "duplicates": 0})
+            kept = int(keep[start : start + n].sum())
+            c["docs"] += kept
+            c["duplicates"] += n - kept
+            start += n
+        path = keep_path(self.work)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, keep)
+        os.replace(tmp, path)
+        atomic_write_text(self.work / "merge.json", canonical_json(out))
+
+
+def _offsets(work: Path, items: list[WorkItem]) -> list[int]:
+    """Where each file's documents start in the corpus-wide keep flags."""
+    offs = [0]
+    for it in items:
+        offs.append(offs[-1] + keys_path(work, it.key).stat().st_size // KEY_BYTES)
+    return offs
+
+
+def kept_docs(work: Path, item: WorkItem, keep: np.ndarray) -> Iterator[tuple[str, str]]:
+    """(text, hex normalized key) of the documents of one file that survive exact dedup."""
+    keys = read_keys(work, item)
+    for text, flag, k in zip(read_docs_file(work, item), keep, keys, strict=True):
+        if flag:
+            yield text, k.tobytes().hex()
+
+
+class MinhashFiles(PipelineStep):
+    """datatrove's MinHash signature step, run once per input file (the file index is its "rank").
+
+    Files are split among tasks by index, so the signatures (and the documents a cluster keeps, which
+    datatrove orders by file then document) do not depend on the task count; a single ordered stream
+    numbered 0..N gives the same pairs in the same order, only labelled differently.
+    """
+
+    name = "enlace minhash signatures"
+
+    def __init__(self, items: list[WorkItem], work: Path, signature: PipelineStep):
+        super().__init__()
+        self.items, self.work, self.signature = items, Path(work), signature
+
+    def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
+        keep = np.load(keep_path(self.work), mmap_mode="r")
+        offs = _offsets(self.work, self.items)
+        for i, item in enumerate(self.items):
+            if i % world_size != rank:
+                continue
+            docs = (
+                Document(text=t, id=str(j))
+                for j, (t, _) in enumerate(kept_docs(self.work, item, keep[offs[i] : offs[i + 1]]))
+            )
+            self.signature.run(docs, rank=i, world_size=len(self.items))
+        yield from ()
+
+
+class Survivors(PipelineStep):
+    """The deduplicated stream, in corpus order: exact duplicates dropped by the keep flags, near
+    duplicates by datatrove's MinHash filter (given each file's documents under the file's "rank")."""
+
+    name = "enlace dedup stream"
+
+    def __init__(self, items: list[WorkItem], work: Path, near_filter: PipelineStep | None):
+        super().__init__()
+        self.items, self.work, self.near_filter = items, Path(work), near_filter
 
     def run(self, data: Any = None, rank: int = 0, world_size: int = 1) -> Iterator[Document]:
         if rank != 0:
             return
-        seen: set[int] = set()  # 8 bytes of each normalized key: ~70 bytes a document, no text
-        out: dict[str, dict[str, int]] = {}
+        keep = np.load(keep_path(self.work), mmap_mode="r")
+        offs = _offsets(self.work, self.items)
         n = 0
-        for item in self.items:
-            c = out.setdefault(item.source, {"docs": 0, "duplicates": 0})
-            with open(docs_path(self.work, item.key), encoding="utf-8") as f:
-                for line in f:
-                    text = json.loads(line)["t"]
-                    key = normalized_key(text)
-                    if self.dedup:
-                        h = int(key[:16], 16)
-                        if h in seen:
-                            c["duplicates"] += 1
-                            continue
-                        seen.add(h)
-                    c["docs"] += 1
-                    yield Document(text=text, id=str(n), metadata={"source": item.source, "key": key})
-                    n += 1
-        atomic_write_text(self.work / self.stats_name, canonical_json(out))
+        for i, item in enumerate(self.items):
+            docs: Iterator[Document] = (
+                Document(text=t, id=str(j), metadata={"source": item.source, "key": k})
+                for j, (t, k) in enumerate(kept_docs(self.work, item, keep[offs[i] : offs[i + 1]]))
+            )
+            # datatrove's filter warns about every file without a .remove file: skip those files instead.
+            if self.near_filter is not None and self.near_filter.data_folder.isfile(f"{i:06d}.remove"):
+                docs = self.near_filter.run(docs, rank=i, world_size=len(self.items))
+            for doc in docs:
+                doc.id = str(n)
+                n += 1
+                yield doc
 
 
 class SpanishWords(WordTokenizer):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import heapq
+import itertools
 import json
 import os
 import re
@@ -17,6 +20,14 @@ from ..errors import DataError
 from ..hf.sp_convert import convert as convert_tokenizer
 from ..io import atomic_write_text, canonical_json, fsync_file, sha256_file
 from .util import log, progress
+
+# Peak memory of training, per byte of the sentences trained on (the sample), an upper bound from runs on
+# bench/bench_data.py text with vocab 8192 (6-16 MiB samples: unigram about 20x, bpe 4-6x plus ~50 MiB;
+# README "Data at scale"). The sample is input_sentence_size sentences: memory is bounded by it, not by
+# the corpus.
+MEMORY_PER_SAMPLE_BYTE = {"unigram": 21, "bpe": 6}
+# With input_sentence_size 0 every sentence is the sample: refused above this much training text.
+ALL_SENTENCES_MAX_BYTES = 64 << 20
 
 # Fixed special ids: the model, the loaders and the chat template all rely on them.
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -99,13 +110,33 @@ def training_sentences(docs: Iterator[str], max_bytes: int, stats: dict[str, int
                 yield p
 
 
+def sample_sentences(sentences: Iterator[str], n: int, seed: int) -> list[str]:
+    """A seeded uniform sample of n sentences of the stream, kept in stream order (all when fewer).
+
+    The n positions with the smallest keyed hash win: the same sample in every process and on every
+    platform, holding n sentences. sentencepiece's own sampling (its input_sentence_size) is not: the same
+    seed gave different models in two processes (sentencepiece 0.2.3).
+    """
+    heap: list[tuple[int, int, str]] = []  # (-key, position, sentence): the largest key on top
+    salt = f"enlace-sample:{seed}:".encode()
+    for i, sentence in enumerate(sentences):
+        key = int.from_bytes(hashlib.blake2b(salt + str(i).encode(), digest_size=8).digest(), "big")
+        if len(heap) < n:
+            heapq.heappush(heap, (-key, i, sentence))
+        elif key < -heap[0][0]:
+            heapq.heapreplace(heap, (-key, i, sentence))
+    heap.sort(key=lambda e: e[1])
+    return [e[2] for e in heap]
+
+
 def train_sentencepiece(sentences: Iterator[str], prefix: Path, cfg: TokenizerConfig) -> None:
     """Train and write prefix.model and prefix.vocab.
 
     The input goes in through an iterator and the model comes out through a writer: given file names,
     sentencepiece records them in the model, and the same training in another folder gives other bytes.
-    With input_sentence_size > 0, sentencepiece keeps a seeded random sample of that many sentences
-    (reservoir sampling over the stream), so memory is bounded by the sample, not by the corpus.
+    sentencepiece trains on every sentence it is given: build_tokenizer passes the sample of
+    input_sentence_size sentences (`sample_sentences`), so memory is bounded by the sample, not by the
+    corpus: about MEMORY_PER_SAMPLE_BYTE times the sample's text.
     """
     import io
 
@@ -130,8 +161,8 @@ def train_sentencepiece(sentences: Iterator[str], prefix: Path, cfg: TokenizerCo
         eos_piece="</s>",
         user_defined_symbols=list(cfg.user_defined_symbols),
         max_sentence_length=cfg.max_sentence_length,
-        input_sentence_size=cfg.input_sentence_size,
-        shuffle_input_sentence=cfg.input_sentence_size > 0,
+        input_sentence_size=0,  # the caller samples (reproducibly); see sample_sentences
+        shuffle_input_sentence=False,
         split_digits=cfg.split_digits,
         # Keep text as written: identity normalization (the corpus is NFC already) and no whitespace
         # squeezing, so decode(encode(text)) == text and bits-per-byte are measured on the real bytes.
@@ -191,6 +222,28 @@ def evaluate(model_file: Path, docs: Iterable[str]) -> dict[str, Any]:
     }
 
 
+# Val documents checked at once against tokenizer.json: bounds the memory of the check (both tokenizers'
+# ids of every document of a chunk are held), whatever the size of the val split.
+VAL_CHECK_DOCS = 2000
+
+
+def check_tokenizer_json(model: Path, val_path: Path, out: Path) -> dict[str, Any]:
+    """Write out (tokenizer.json) and check it gives sentencepiece's ids on the whole val split.
+
+    The Hugging Face tokenizer.json `enlace export` ships must give these ids on the whole val split; a
+    model that cannot be converted exactly is refused here, before anything is trained on it. The split is
+    checked in chunks; the counts are those of one check over the edge cases and every val document.
+    """
+    edge = convert_tokenizer(model, [], out)  # the edge cases alone
+    total = dict(edge)
+    docs = read_docs(val_path) if val_path.exists() else iter(())
+    while chunk := list(itertools.islice(docs, VAL_CHECK_DOCS)):
+        r = convert_tokenizer(model, chunk, out)
+        total["texts"] += r["texts"] - edge["texts"]
+        total["tokens"] += r["tokens"] - edge["tokens"]
+    return total
+
+
 def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: str = "") -> dict[str, Any]:
     """Train on corpus/train.jsonl, write out/tokenizer.model, tokenizer.vocab, report.json.
 
@@ -201,12 +254,29 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
     train_file = corpus / "train.jsonl"
     if not train_file.exists():
         raise DataError(f"{train_file}: not found; run `enlace fetch` first")
+    size = train_file.stat().st_size
+    if not cfg.input_sentence_size and size > ALL_SENTENCES_MAX_BYTES:
+        need = MEMORY_PER_SAMPLE_BYTE[cfg.type] * size
+        raise DataError(
+            f"tokenizer: input_sentence_size 0 trains {cfg.type} on every sentence of {train_file} "
+            f"({size / 2**20:.0f} MiB), about {need / 2**30:.1f} GiB of memory; set "
+            f"data.tokenizer.input_sentence_size (sentences sampled, e.g. 200000)"
+        )
     stages = progress(total=3, desc="tokenizer", unit="stage")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp_name:
         tmp = Path(tmp_name)
         prep = {"docs": 0, "lines": 0, "long_lines_split": 0, "pieces_from_long_lines": 0}
-        sentences = training_sentences(read_docs(train_file), cfg.max_sentence_length, prep)
+        text_bytes = [0]
+
+        def counted(it: Iterator[str]) -> Iterator[str]:
+            for sentence in it:
+                text_bytes[0] += len(sentence.encode("utf-8")) + 1
+                yield sentence
+
+        sentences = counted(training_sentences(read_docs(train_file), cfg.max_sentence_length, prep))
+        if cfg.input_sentence_size:
+            sentences = iter(sample_sentences(sentences, cfg.input_sentence_size, cfg.seed))
         stages.update(1)
         stages.set_postfix_str(f"training {cfg.type} vocab {cfg.vocab_size}")
         t1 = time.perf_counter()
@@ -219,11 +289,8 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
         t_train = time.perf_counter() - t1
         stages.update(1)
         val_path = corpus / "val.jsonl"
-        val_docs = list(read_docs(val_path)) if val_path.exists() else []
-        ev = evaluate(tmp / "tokenizer.model", val_docs)
-        # The Hugging Face tokenizer.json `enlace export` ships must give these ids on the whole val split;
-        # a model that cannot be converted exactly is refused here, before anything is trained on it.
-        hf_check = convert_tokenizer(tmp / "tokenizer.model", val_docs, tmp / "tokenizer.json")
+        ev = evaluate(tmp / "tokenizer.model", read_docs(val_path) if val_path.exists() else [])
+        hf_check = check_tokenizer_json(tmp / "tokenizer.model", val_path, tmp / "tokenizer.json")
         stages.update(1)
         stages.close()
         report = {
@@ -244,9 +311,13 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
             fsync_file(tmp / name)
             os.replace(tmp / name, out / name)
         atomic_write_text(out / "report.json", canonical_json(report))
+    lines = prep["lines"] or 1
+    sample = text_bytes[0] * min(1.0, (cfg.input_sentence_size or lines) / lines)
     log(
         f"tokenizer: {cfg.type} {cfg.vocab_size} trained in {t_train:.1f} s on {prep['lines']} sentences "
-        f"({prep['long_lines_split']} long lines split; sample {cfg.input_sentence_size or 'all'}); "
+        f"({prep['long_lines_split']} long lines split; sample {cfg.input_sentence_size or 'all'}, about "
+        f"{sample / 2**20:.0f} MiB of text, memory about {MEMORY_PER_SAMPLE_BYTE[cfg.type] * sample / 2**20:.0f} "
+        "MiB); "
         f"val {ev['chars_per_token'] or 0:.2f} chars/token, "
         f"{ev['tokens_per_word'] or 0:.2f} tokens/word (bytes: {ev['byte_baseline']['tokens_per_word'] or 0:.2f}); "
         f"total {time.perf_counter() - t0:.1f} s -> {out}"
