@@ -66,3 +66,19 @@ def test_config_check_refuses_a_plan_that_loops_over_a_tiny_corpus(tmp_path, mon
     assert "2,621,440,000 tokens" in err and "about 5,000,000" in err and "524.3 epochs" in err
     assert main(["config", "check"]) == 0
     assert "0.89 epochs" in capsys.readouterr().out
+
+
+def test_data_built_for_another_config_is_not_counted(tmp_path):
+    # data/ holds es-debian's corpus and shards; checking another data config must not read them.
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text(
+        json.dumps({"name": "es-debian", "splits": {"train": {"chars": 4_000_000}}})
+    )
+    _shards(tmp_path / "s", 3_000_000)
+    where = {"shards": tmp_path / "s", "corpus": tmp_path / "c", "tokenizer": tmp_path / "t"}
+    assert check_budget(_cfg(), **where).available == 3_000_000  # es-debian's own shards count
+    other = _cfg("data.name=another-corpus")
+    b = check_budget(other, **where)
+    assert not b.exact and b.available == other.data.estimated_tokens
+    with pytest.raises(DataError, match="no shards"):
+        check_budget(other, require_data=True, **where)

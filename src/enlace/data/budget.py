@@ -61,6 +61,10 @@ def available_tokens(
 ) -> tuple[int | None, str, bool]:
     """(training tokens or None, where the number comes from, whether it is exact)."""
     cm = _json(corpus / "manifest.json")
+    foreign = cm is not None and cm.get("name", cfg.data.name) != cfg.data.name
+    if foreign:
+        # data/ holds the corpus and shards another data config built: they say nothing about this one.
+        cm = None
     if cfg.train.loader == "bytes":
         if cm is not None:
             return int(cm["splits"]["train"]["bytes"]), f"{corpus}/manifest.json", True
@@ -68,7 +72,7 @@ def available_tokens(
         if train.exists():  # no manifest (a hand-made corpus): the file size bounds the text bytes
             return train.stat().st_size, str(train), False
         return None, f"`enlace fetch` builds {corpus}", False
-    sm = _json(shards / "manifest.json")
+    sm = None if foreign else _json(shards / "manifest.json")
     if sm is not None:
         return int(sm["splits"]["train"]["tokens"]), f"{shards}/manifest.json", True
     if cm is not None:
