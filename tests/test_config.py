@@ -35,7 +35,7 @@ INVALID = [
     ),
     (["data.tokenizer.vocab_size=4096"], "data.tokenizer.vocab_size", "differs from model vocab_size"),
     (
-        ["train.schedule.warmup_steps=900", "train.schedule.decay_steps=500"],
+        ["train.schedule.warmup_steps=2500", "train.schedule.decay_steps=500"],
         "train.schedule.decay_steps",
         "exceeds max_steps",
     ),
@@ -111,10 +111,10 @@ def test_malformed_set_is_a_user_error(capsys):
 
 
 def test_show_names_the_origin_of_each_value(capsys):
-    code, out, _ = run_cli(capsys, "config", "show", "--set", "train.max_steps=500")
+    code, out, _ = run_cli(capsys, "config", "show", "--set", "train.max_steps=1500")
     assert code == 0
-    assert "max_steps: 500  # --set" in out
-    assert "n_layer: 4  # configs/model/cpu-small.yaml" in out
+    assert "max_steps: 1500  # --set" in out
+    assert "n_layer: 3  # configs/model/cpu-small.yaml" in out
     assert "min_compute_capability: null  # default" in out
 
 

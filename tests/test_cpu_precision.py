@@ -131,3 +131,28 @@ def test_default_pipeline_trains_in_the_resolved_precision(cpu, tmp_path, monkey
         "name": "cpu-auto",
         "dtype": precision,
     }
+
+
+@pytest.mark.skipif(runtime.cpu_bf16_native() is None, reason="needs a CPU with native bf16")
+@pytest.mark.skipif(runtime.cpp_compiler() is None, reason="torch.compile needs a C++ compiler")
+def test_compiled_bf16_training_is_deterministic_and_resumes_bit_exact(tmp_path):
+    # The default CPU profile compiles the model (hardware.compile): the same sha256 twice, and a run
+    # stopped at step 3 and resumed ends on the same weights and optimizer state as a straight one.
+    o = {"hardware.dtype": "bf16", "hardware.compile": True, "train.max_steps": 6}
+
+    def run(name, stop_after=None):
+        cfg = tiny_config(o)
+        loader, val = loaders_for(cfg)
+        return train(
+            cfg, tmp_path / name, loader=loader, val_loader=val, stop_after=stop_after, progress=False
+        )
+
+    run("a")
+    run("b")
+    assert run("c", stop_after=3).step == 3
+    assert run("c").resumed_from == 3
+    digests = [checkpoint_digests(list_checkpoints(tmp_path / n / "checkpoints")[-1]) for n in "abc"]
+    assert (
+        digests[0]["model.safetensors"] == digests[1]["model.safetensors"] == digests[2]["model.safetensors"]
+    )
+    assert digests[0]["optimizer.safetensors"] == digests[2]["optimizer.safetensors"]

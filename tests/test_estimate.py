@@ -154,7 +154,7 @@ def test_parts_follow_the_formulas() -> None:
         est.parts["logits + loss"]
         == logits_loss_bytes(SMALL, "fp32", 4, 256)
         == (
-            min(4 * 256, (1 << 24) // 8192) * 8192 * 8
+            min(4 * 256, (1 << 24) // 8192) * 8192 * 4
             + 4 * 4 * 256 * SMALL.d_model
             + 8 * 8192 * SMALL.d_model
         )

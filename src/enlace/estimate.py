@@ -151,13 +151,19 @@ def activation_bytes(m: ModelConfig, dtype: str, attention: str, batch: int, seq
 
 
 def logits_loss_bytes(m: ModelConfig, dtype: str, batch: int, seq_len: int) -> int:
-    """The fused head + loss at its peak: one chunk of logits and the gradients it produces."""
+    """The fused head + loss at its peak: one chunk of logits and the gradients it produces.
+
+    Per logit: the fp32 chunk, whose exponentials and gradient are computed in place, and under a 16-bit
+    autocast its 16-bit copy for the matmuls. Per head weight: grad_w in fp32 and the copy kept for
+    backward, and under a 16-bit autocast each chunk's 16-bit product and its fp32 copy, added to grad_w.
+    """
     from .model import LOSS_CHUNK_ELEMENTS
 
     rows = min(batch * seq_len, max(1, LOSS_CHUNK_ELEMENTS // m.vocab_size))
-    per_value = FP32 * 2 if dtype == "fp32" else DTYPE_BYTES[dtype] * 2 + FP32
-    chunk = rows * m.vocab_size * per_value
-    return chunk + FP32 * batch * seq_len * m.d_model + 2 * FP32 * m.vocab_size * m.d_model
+    half = 0 if dtype == "fp32" else DTYPE_BYTES[dtype]
+    chunk = rows * m.vocab_size * (FP32 + half)
+    head = m.vocab_size * m.d_model * (2 * FP32 + (half + FP32 if half else 0))
+    return chunk + FP32 * batch * seq_len * m.d_model + head
 
 
 def kv_cache_bytes(m: ModelConfig, batch: int, seq_len: int, dtype: str) -> int:

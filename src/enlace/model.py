@@ -288,17 +288,23 @@ def _head_chunks(
         for s in range(0, h.shape[0], chunk):
             hc, tc, kc = h[s : s + chunk].to(dtype), targets[s : s + chunk], keep[s : s + chunk]
             logits = (hc @ w.t()).float()
-            log_z = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(-1, tc.unsqueeze(-1)).squeeze(-1)
+            # log Z = max + log(sum exp(logits - max)), in place of the logits: the exponentials are the
+            # unnormalised softmax the gradient needs, and no [rows, vocab] temporary is allocated
+            # (torch.logsumexp makes one, and the softmax then took two more passes).
+            top = logits.amax(dim=-1, keepdim=True)
+            exps = logits.sub_(top).exp_()
+            total = exps.sum(dim=-1)
+            log_z = top.squeeze(-1) + total.log()
             ce_sum += ((log_z - target_logit) * kc).sum()
             z_sum += (log_z.pow(2) * kc).sum()
             if grad_scale is None:
                 continue
             row_scale = grad_scale * kc
-            probs = logits.sub_(log_z.unsqueeze(-1)).exp_()  # softmax, in place of the logits
-            probs.mul_(((1.0 + 2.0 * z_weight * log_z) * row_scale).unsqueeze(-1))
-            probs.scatter_add_(-1, tc.unsqueeze(-1), (-row_scale).unsqueeze(-1))
-            g = probs.to(dtype)
+            # softmax * (1 + 2 w log Z) * row_scale = exps * that / total: one pass over the chunk.
+            exps.mul_(((1.0 + 2.0 * z_weight * log_z) * row_scale / total).unsqueeze(-1))
+            exps.scatter_add_(-1, tc.unsqueeze(-1), (-row_scale).unsqueeze(-1))
+            g = exps.to(dtype)
             if grad_h is not None:
                 grad_h[s : s + chunk] = g @ w
             if grad_w is not None:

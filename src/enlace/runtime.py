@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -64,12 +65,26 @@ def cpu_bf16_native(flags: frozenset[str] | None = None) -> str | None:
     return found
 
 
+_CXX = os.environ.get("CXX", "g++")  # what torch.compile's CPU backend (inductor) calls
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile would build CPU kernels with, or None where there is none."""
+    return shutil.which(_CXX)
+
+
 def resolve_cpu_dtype(flags: frozenset[str] | None = None) -> str:
     """The precision `dtype: auto` means on a CPU: bf16 where it is native, else the fp32 reference."""
     return "bf16" if cpu_bf16_native(flags) else "fp32"
 
 
 def _check_cpu(hw: HardwareConfig, source: str) -> None:
+    if hw.compile and cpp_compiler() is None:
+        raise HardwareError(
+            f"{source}: hardware.compile: profile '{hw.name}' compiles the model, and torch.compile builds its "
+            f"CPU kernels with a C++ compiler, but '{_CXX}' is not on PATH; install one (apt install g++) or "
+            "use --set hardware.compile=false"
+        )
     if hw.dtype == "bf16" and cpu_bf16_native() is None:
         cap = torch.backends.cpu.get_cpu_capability()
         has = [f for f in BF16_CPU_FLAGS if f in cpu_flags()]
