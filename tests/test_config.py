@@ -299,3 +299,15 @@ def test_finetune_flag_errors_name_the_flag(capsys):
     )
     check_one_line_error(capsys, ["finetune", "--targets", "wq"], "--targets: finetune.targets", "wq")
     check_one_line_error(capsys, ["finetune", "--steps", "0"], "--steps: finetune.steps")
+
+
+def test_a_stage_section_selects_layers_and_sets_values():
+    # params.yaml's `smoke:` section: the byte-level layers, and compile off for that short run only.
+    smoke = load_config("params.yaml", stage="smoke")
+    assert smoke.files["model"] == "configs/model/smoke.yaml" and smoke.hardware.compile is False
+    assert smoke.provenance["hardware.compile"] == "params.yaml (smoke.set)"
+    default = load_config("params.yaml")
+    assert default.hardware.compile is True and default.files["model"] == "configs/model/cpu-small.yaml"
+    # the command line still wins over the stage's section
+    forced = load_config("params.yaml", stage="smoke", overrides=["hardware.compile=true"])
+    assert forced.hardware.compile is True and forced.provenance["hardware.compile"] == "--set"

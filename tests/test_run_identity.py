@@ -10,6 +10,7 @@ from helpers import checkpoint_digests, loaders_for, logged_losses, synthetic_te
 
 from enlace.train import trainer
 from enlace.train.checkpoint import list_checkpoints, step_dirname
+from enlace.train.identity import changed_keys
 from enlace.train.trainer import train
 
 
@@ -97,3 +98,12 @@ def test_delete_instead_of_move(tmp_path, capsys):
     r = run(tmp_path, {"model.d_model": 64, "train.checkpoint.on_identity_change": "delete"}, stop_after=2)
     assert r.resumed_from is None and not (tmp_path / "previous").exists()
     assert "deleted" in capsys.readouterr().out
+
+
+def test_a_changed_source_list_is_named_not_dumped():
+    # The message is one line a user reads: data sources by name, long values cut short.
+    old = {"data.sources": [{"name": "bible", "version": "1"}, {"name": "docs"}], "data.note": "a" * 500}
+    new = {"data.sources": [{"name": "bible", "version": "2"}, {"name": "games"}], "data.note": "b"}
+    note, sources = changed_keys(old, new)  # in key order
+    assert sources == "data.sources: added games; removed docs; changed bible"
+    assert note.startswith("data.note: 'aaa") and note.endswith("-> 'b'") and len(note) < 100

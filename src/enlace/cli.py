@@ -47,18 +47,15 @@ def common_parser() -> argparse.ArgumentParser:
 
 
 def load_cfg(args: argparse.Namespace, layers=None, stage: str | None = None):
-    """Resolve the config for a command; `stage` applies that stage's layer selection from params.yaml."""
-    from .config import load_config, read_params
+    """Resolve the config for a command; `stage` applies that stage's section of params.yaml (layers, set)."""
+    from .config import load_config
     from .config.resolve import PRETRAIN_LAYERS
 
-    select: dict[str, str] = {}
-    if stage:
-        select.update(read_params(args.params).get(stage) or {})
-    select.update(
-        {k: getattr(args, k, None) for k in ("hardware", "model", "train", "data") if getattr(args, k, None)}
-    )
+    select = {
+        k: getattr(args, k, None) for k in ("hardware", "model", "train", "data") if getattr(args, k, None)
+    }
     return load_config(
-        args.params, layers=tuple(layers or PRETRAIN_LAYERS), select=select, overrides=args.set
+        args.params, layers=tuple(layers or PRETRAIN_LAYERS), select=select, overrides=args.set, stage=stage
     )
 
 

@@ -232,8 +232,12 @@ def load_config(
     overrides: list[str] | None = None,
     check_cross: bool = True,
     flags: dict[str, tuple[str, Any]] | None = None,
+    stage: str | None = None,
 ) -> Config:
     """Read params.yaml, the selected layer files and the overrides; validate; run cross-layer checks.
+
+    `stage` names a params.yaml section (such as `smoke`) whose layer names replace `config`'s and whose
+    own `set:` applies after the top-level one; `select` (the command line's layer options) wins over both.
 
     `flags` are a command's own options, dotted key -> (flag name, value): applied after `--set`, and
     errors name the flag the user typed.
@@ -242,6 +246,9 @@ def load_config(
     root = params_path.parent
     p = read_params(params)
     selected = dict(p.get("config") or {})
+    stage_section = dict(p.get(stage) or {}) if stage else {}
+    stage_sets = stage_section.pop("set", None) or {}
+    selected.update({k: v for k, v in stage_section.items() if v})
     selected.update({k: v for k, v in (select or {}).items() if v})
 
     raw: dict[str, dict[str, Any]] = {}
@@ -263,7 +270,10 @@ def load_config(
         for k in flatten(raw[layer]):
             provenance[f"{layer}.{k}"] = rel
 
-    set_sources = [(f"{params_path.name} (set)", p.get("set") or {}), ("--set", parse_set(overrides))]
+    set_sources = [(f"{params_path.name} (set)", p.get("set") or {})]
+    if stage:
+        set_sources.append((f"{params_path.name} ({stage}.set)", stage_sets))
+    set_sources.append(("--set", parse_set(overrides)))
     set_sources += [(flag, {key: value}) for key, (flag, value) in (flags or {}).items()]
     for source, sets in set_sources:
         if not isinstance(sets, dict):

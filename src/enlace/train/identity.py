@@ -55,9 +55,36 @@ def code_fingerprint(modules: Iterable[ModuleType]) -> str:
     return h.hexdigest()[:16]
 
 
+SHOWN_CHARS = 60  # a value longer than this is cut in the message: the key already says where to look
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
+def _describe(key: str, old: Any, new: Any) -> str:
+    """One readable change: named entries (data sources) by name, anything else as old -> new, cut short."""
+    named = isinstance(old, list) and isinstance(new, list)
+    named = named and all(isinstance(x, dict) and "name" in x for x in [*old, *new])
+    if not named:
+        return f"{key}: {_shown(old)} -> {_shown(new)}"
+    before, after = {x["name"]: x for x in old}, {x["name"]: x for x in new}
+    parts = [
+        f"{what} {', '.join(names)}"
+        for what, names in (
+            ("added", [n for n in after if n not in before]),
+            ("removed", [n for n in before if n not in after]),
+            ("changed", [n for n in after if n in before and after[n] != before[n]]),
+        )
+        if names
+    ]
+    return f"{key}: {'; '.join(parts) or 'reordered'}"
+
+
 def changed_keys(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return [
-        f"{k}: {old.get(k, '<unset>')!r} -> {new.get(k, '<unset>')!r}"
+        _describe(k, old.get(k, "<unset>"), new.get(k, "<unset>"))
         for k in sorted(set(old) | set(new))
         if old.get(k) != new.get(k)
     ]
