@@ -27,32 +27,32 @@ def _shards(folder: Path, train_tokens: int) -> dict[str, Path]:
 
 
 def test_epochs_from_the_shards_and_the_error_names_both_numbers_and_the_keys(tmp_path):
-    # cpu-small plans 1300 steps x 8 x 256 = 2,662,400 tokens.
+    # cpu-small plans 2800 steps x 8 x 256 = 5,734,400 tokens.
     cfg = _cfg()
-    ok = check_budget(cfg, require_data=True, **_shards(tmp_path / "a", 1_000_000))
-    assert ok.planned == 2_662_400 and ok.exact and ok.epochs == pytest.approx(2.6624)
+    ok = check_budget(cfg, require_data=True, **_shards(tmp_path / "a", 2_000_000))
+    assert ok.planned == 5_734_400 and ok.exact and ok.epochs == pytest.approx(2.8672)
     with pytest.raises(DataError) as e:
         check_budget(cfg, require_data=True, **_shards(tmp_path / "b", 400_000))
     msg = str(e.value)
-    assert "2,662,400 tokens" in msg and "400,000 training tokens" in msg and "6.7 epochs" in msg
+    assert "5,734,400 tokens" in msg and "400,000 training tokens" in msg and "14.3 epochs" in msg
     for key in ("train.max_steps", "train.global_batch_size", "model.seq_len", "data.max_epochs"):
         assert key in msg
     # The limit is a setting.
-    loose = _cfg("data.max_epochs=7")
-    assert check_budget(loose, require_data=True, **_shards(tmp_path / "c", 400_000)).epochs < 7
+    loose = _cfg("data.max_epochs=15")
+    assert check_budget(loose, require_data=True, **_shards(tmp_path / "c", 400_000)).epochs < 15
 
 
 def test_missing_shards_tell_the_user_to_build_them_and_config_check_estimates(tmp_path):
     where = {"shards": tmp_path / "s", "corpus": tmp_path / "c", "tokenizer": tmp_path / "t"}
     with pytest.raises(DataError, match="no shards in .*build them first"):
         check_budget(_cfg(), require_data=True, **where)
-    # Before any data exists, the data config's estimate is used (es-debian: 3.0 M tokens).
+    # Before any data exists, the data config's estimate is used (es-debian: 4.3 M tokens).
     b = check_budget(_cfg(), **where)
-    assert not b.exact and b.available == 3_000_000 and "about" in b.line()
+    assert not b.exact and b.available == 4_300_000 and "about" in b.line()
     # A corpus without shards: characters / chars-per-token.
     (tmp_path / "c").mkdir()
-    (tmp_path / "c" / "manifest.json").write_text(json.dumps({"splits": {"train": {"chars": 4_000_000}}}))
-    assert check_budget(_cfg(), **where).available == 1_000_000
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({"splits": {"train": {"chars": 8_000_000}}}))
+    assert check_budget(_cfg(), **where).available == 2_000_000
 
 
 def test_config_check_refuses_a_plan_that_loops_over_a_tiny_corpus(tmp_path, monkeypatch, capsys):
@@ -65,7 +65,7 @@ def test_config_check_refuses_a_plan_that_loops_over_a_tiny_corpus(tmp_path, mon
     err = capsys.readouterr().err
     assert "2,621,440,000 tokens" in err and "about 5,000,000" in err and "524.3 epochs" in err
     assert main(["config", "check"]) == 0
-    assert "0.89 epochs" in capsys.readouterr().out
+    assert "1.33 epochs" in capsys.readouterr().out
 
 
 def test_data_built_for_another_config_is_not_counted(tmp_path):

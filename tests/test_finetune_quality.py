@@ -137,6 +137,8 @@ def test_loop_check_catches_loops_and_spares_every_human_text_in_assets():
     assert loops("¿Qué abuela no sabía? ¿Por qué? ¿Por qué? ¿Por qué? ...")
     assert loops("Me llamo Ana y me gusta el pan. Me llamo Ana y me gusta el pan. Me llamo Ana y me gusta")
     assert not loops("Una cena de cerveza con la cerveza.")
+    assert not loops("Así, 2 elevado a 5 significa 2 × 2 × 2 × 2 × 2, y no 2 × 5.")  # arithmetic
+    assert loops("La respuesta es 1 1 1 1 1 1 1 1 1 1 1 1 1 1")  # a span without letters, six times
     human = (ROOT / "assets" / "eval" / "prosa-es.txt").read_text(encoding="utf-8").split("\n\n")
     for path in sorted((ROOT / "assets" / "instruct").glob("*.jsonl")):
         human += [json.loads(line)["response"] for line in path.read_text(encoding="utf-8").splitlines()]

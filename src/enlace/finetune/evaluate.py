@@ -31,14 +31,17 @@ WORD = re.compile(r"\w+")
 def loops(text: str) -> bool:
     """Whether an answer degenerates into repetition.
 
-    Two signs, each absent from every human-written text in assets/ (386 responses and paragraphs):
+    Two signs, each absent from every human-written text in assets/ (624 responses and paragraphs):
     a span of 2-20 tokens repeated three times in a row ("¿Por qué? ¿Por qué? ¿Por qué?"), or a
-    sequence of four words occurring three times anywhere (a loop with a longer period).
+    sequence of four words occurring three times anywhere (a loop with a longer period). A span without
+    letters must repeat six times: "2 × 2 × 2 × 2 × 2" is arithmetic, "1 1 1 1 1 1 1 1 1 1 1 1" a loop.
     """
     toks = [t.lower() for t in TOKEN.findall(text)]
     for span in range(2, min(20, len(toks) // 3) + 1):
         for i in range(len(toks) - 3 * span + 1):
-            if toks[i : i + span] == toks[i + span : i + 2 * span] == toks[i + 2 * span : i + 3 * span]:
+            unit = toks[i : i + span]
+            times = 3 if any(c.isalpha() for t in unit for c in t) else 6
+            if all(toks[i + k * span : i + (k + 1) * span] == unit for k in range(1, times)):
                 return True
     words = [w.lower() for w in WORD.findall(text)]
     fours = Counter(tuple(words[i : i + 4]) for i in range(len(words) - 3))
