@@ -156,3 +156,14 @@ def test_compiled_bf16_training_is_deterministic_and_resumes_bit_exact(tmp_path)
         digests[0]["model.safetensors"] == digests[1]["model.safetensors"] == digests[2]["model.safetensors"]
     )
     assert digests[0]["optimizer.safetensors"] == digests[2]["optimizer.safetensors"]
+
+
+def test_hardware_check_refuses_compiling_without_a_cpp_compiler(cpu, capsys, monkeypatch):
+    # torch.compile builds CPU kernels with g++: without one the default profile fails at the check,
+    # in one line naming the field, not minutes later inside the first training step.
+    cpu(NATIVE)
+    monkeypatch.setattr(runtime, "cpp_compiler", lambda: None)
+    assert main(["hardware", "check", "--hardware", "cpu-auto"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "hardware.compile" in err and "C++ compiler" in err
+    assert main(["hardware", "check", "--hardware", "cpu"]) == 0  # the eager fp32 reference needs none
