@@ -7,8 +7,10 @@ memory of the whole process tree. A benchmark, not a test:
 
     python -m bench.bench_data --mib 256 --tasks 1 2
 
-Prints MB/s of input text and the peak RSS (sum over the process tree) per stage, and whether the corpus
-and shards are identical across task counts; writes bench/results/data-<MiB>mib.json. The goal (issue 13):
+Prints MB/s of input text and the peak memory of the process tree per stage (PSS: shared pages split among
+the processes that share them, so forked tasks are not counted twice; the RSS sum is kept beside it), and
+whether the
+corpus and shards are identical across task counts; writes bench/results/data-<MiB>mib.json. The goal (issue 13):
 peak under 2 GiB for a 10 GiB corpus, i.e. a peak that does not grow with the corpus.
 """
 
@@ -180,21 +182,26 @@ def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
     )
 
 
-def tree_rss(pid: int) -> int:
+def tree_memory(pid: int) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) over the process tree. Task processes are forked, so their RSS counts the
+    pages they share with the parent once per process; PSS splits each shared page among its sharers, so
+    its sum is the physical memory the tree holds."""
     import psutil
 
     try:
         p = psutil.Process(pid)
         procs = [p, *p.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    total = 0
+        return 0, 0
+    rss = pss = 0
     for q in procs:
         try:
-            total += q.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+            full = q.memory_full_info()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        rss += full.rss
+        pss += full.pss
+    return rss, pss
 
 
 def main() -> None:
@@ -236,17 +243,19 @@ def main() -> None:
             ]
             errlog = open(work / f"child{tasks}.log", "w")  # noqa: SIM115 - closed after the wait
             p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=errlog, text=True)
-            peak = 0
-            stage_peak: dict[str, int] = {}
+            peak = {"rss": 0, "pss": 0}
+            stage_peak: dict[str, dict[str, int]] = {}
             stage_file = work / f"stage{tasks}"
             while p.poll() is None:
-                now = tree_rss(p.pid)
-                peak = max(peak, now)
+                now = dict(zip(("rss", "pss"), tree_memory(p.pid), strict=True))
                 try:
                     stage = stage_file.read_text()
                 except OSError:
                     stage = "start"
-                stage_peak[stage] = max(stage_peak.get(stage, 0), now)
+                at = stage_peak.setdefault(stage, {"rss": 0, "pss": 0})
+                for k, v in now.items():
+                    peak[k] = max(peak[k], v)
+                    at[k] = max(at[k], v)
                 time.sleep(0.2)
             out = p.stdout.read() if p.stdout else ""
             errlog.close()
@@ -254,14 +263,20 @@ def main() -> None:
                 tail = (work / f"child{tasks}.log").read_text()[-3000:]
                 raise SystemExit(f"bench child with {tasks} tasks failed ({p.returncode}):\n{tail}")
             r = json.loads(out.strip().splitlines()[-1])
-            r["peak_rss_mib"] = peak / 2**20
-            r["stage_peak_rss_mib"] = {k: v / 2**20 for k, v in stage_peak.items()}
+            r["peak_pss_mib"] = peak["pss"] / 2**20
+            r["peak_rss_sum_mib"] = peak["rss"] / 2**20
+            r["stage_peak_pss_mib"] = {k: v["pss"] / 2**20 for k, v in stage_peak.items()}
+            r["stage_peak_rss_sum_mib"] = {k: v["rss"] / 2**20 for k, v in stage_peak.items()}
             results[f"tasks_{tasks}"] = r
             rates = ", ".join(
-                f"{k} {v:.1f} MB/s {r['stage_peak_rss_mib'].get(k, 0):.0f} MiB"
+                f"{k} {v:.1f} MB/s {r['stage_peak_pss_mib'].get(k, 0):.0f} MiB"
                 for k, v in r["mb_per_s"].items()
             )
-            print(f"{tasks} task(s): {rates}; peak RSS {peak / 2**20:.0f} MiB (process tree)", flush=True)
+            print(
+                f"{tasks} task(s): {rates}; peak memory {peak['pss'] / 2**20:.0f} MiB PSS "
+                f"({peak['rss'] / 2**20:.0f} MiB summing RSS, which counts forked pages once per process)",
+                flush=True,
+            )
     shas = {r["corpus_train_sha256"] + r["shard_manifest_sha256"] for r in results.values()}
     print(f"corpus and shard manifest identical across task counts: {len(shas) == 1}")
     summary = {"text_mib": text_bytes / 2**20, "cores": os.cpu_count(), "results": results}
