@@ -178,7 +178,7 @@ def build_corpus(
         if executor.kind == "local"
         else Path(executor.logging_dir) / "fetch"
     )
-    if executor.kind != "local":
+    if executor.kind == "slurm":  # submitted as chained jobs: nothing is done when sbatch returns
         run_stages(extract + rest, executor, logs)
         log(f"fetch: submitted {len(extract + rest)} stages to {executor.kind}; the corpus appears in {out}")
         return {}

@@ -68,7 +68,8 @@ def _cluster(stage: Stage, cfg: ExecutorConfig, logs: Path, depends: Any) -> Any
 
 
 def run_stages(stages: list[Stage], cfg: ExecutorConfig, logs: Path) -> bool:
-    """Run the stages in order. True when they ran here to the end; False when submitted to a cluster."""
+    """Run the stages in order. True when they have finished on return (local, Ray); False when they were
+    submitted to Slurm and finish later."""
     logs = Path(logs)
     if cfg.kind == "local":
         shutil.rmtree(logs, ignore_errors=True)  # task logs of a previous run would read as this run's
@@ -78,8 +79,10 @@ def run_stages(stages: list[Stage], cfg: ExecutorConfig, logs: Path) -> bool:
     # datatrove's Ray executor imports without ray and fails at run() with a traceback.
     if cfg.kind == "ray" and importlib.util.find_spec("ray") is None:
         raise DataError("data.executor.kind ray needs the ray package (pip install ray)")
-    cluster_executors(stages, cfg, logs)[-1].run()  # submits every stage; each waits for the one before it
-    return False
+    # Runs the last stage, which first runs the one it depends on, and so on back to the first. Slurm's
+    # run() submits the chained jobs and returns; Ray's waits for every task.
+    cluster_executors(stages, cfg, logs)[-1].run()
+    return cfg.kind == "ray"
 
 
 def cluster_executors(stages: list[Stage], cfg: ExecutorConfig, logs: Path) -> list[Any]:
