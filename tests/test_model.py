@@ -214,6 +214,27 @@ def test_tied_weights_share_storage():
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16"])
+def test_cpu_matmul_attention_matches_sdpa_values_and_gradients(autocast):
+    """'auto' on CPU runs short sequences through model.matmul_attention; a pinned backend keeps SDPA."""
+    cfg = tiny(n_head=6, n_kv_head=2, d_model=48)  # groups of three query heads per KV head
+    x = torch.randint(0, 97, (3, 24))
+    results = {}
+    for backend in ("auto", "math"):
+        torch.manual_seed(0)
+        model = Llama(cfg, backend)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x, targets=x)
+        out.loss.backward()
+        results[backend] = (out.loss.detach(), {n: p.grad for n, p in model.named_parameters()})
+    tol = dict(atol=2e-2, rtol=2e-2) if autocast else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(results["auto"][0], results["math"][0], **tol)
+    for name, grad in results["math"][1].items():
+        torch.testing.assert_close(results["auto"][1][name], grad, **tol, msg=name)
+    if not autocast:  # the two paths are different code: not the same bits, the same math
+        assert any(not torch.equal(results["auto"][1][n], g) for n, g in results["math"][1].items())
+
+
 def test_kv_cache_decoding_equals_full_recomputation():
     model = build(tiny())
     x = torch.randint(0, 97, (2, 20))

@@ -97,8 +97,13 @@ def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
     return 6.0 * matmul_weights(m) + 12.0 * m.n_layer * m.d_model * seq_len
 
 
-def resolve_attention(hw: HardwareConfig) -> str:
-    """The SDPA backend a profile ends up with; 'auto' picks a fused kernel on both CPU and CUDA."""
+def resolve_attention(hw: HardwareConfig, seq_len: int) -> str:
+    """The attention a profile ends up with at this length; 'auto' picks a fused kernel on both CPU and
+    CUDA, except the model's plain matmuls for short sequences on CPU."""
+    from .model import uses_matmul_attention
+
+    if uses_matmul_attention(hw.device, hw.sdpa_backend, seq_len):
+        return "matmul"
     if hw.sdpa_backend != "auto":
         return hw.sdpa_backend
     if hw.device == "cpu":
@@ -136,6 +141,11 @@ def layer_activation_bytes_per_token(m: ModelConfig, dtype: str, attention: str,
         # The math backend materialises softmax(QK^T) per head (kept for backward, fp32: PyTorch upcasts
         # half inputs in the math path), repeats the KV heads for GQA, and returns no separate output copy.
         total += FP32 * h * seq_len + FP32 * 2 * d - DTYPE_BYTES[dtype] * d
+    elif attention == "matmul":
+        # model.matmul_attention keeps the softmax per head (in the autocast dtype) and no logsumexp; its
+        # output is not saved (only o_proj's contiguous copy), which in fp32 was a separate SDPA output.
+        a = FP32 if dtype == "fp32" else DTYPE_BYTES[dtype]
+        total += a * h * seq_len - FP32 * h - (FP32 * d if dtype == "fp32" else 0)
     return total
 
 
@@ -147,6 +157,9 @@ def activation_bytes(m: ModelConfig, dtype: str, attention: str, batch: int, seq
     total = tokens * per_token
     if attention == "math":
         total += FP32 * batch * m.n_head * seq_len * seq_len  # one layer's pre-softmax scores, transient
+    elif attention == "matmul":
+        scores = FP32 if dtype == "fp32" else DTYPE_BYTES[dtype]
+        total += scores * batch * m.n_head * seq_len * seq_len  # the same, in the matmul's output dtype
     return total
 
 
@@ -179,7 +192,7 @@ def estimate_training_memory(
 
     t = seq_len or model.seq_len
     n = closed_form_num_parameters(model)
-    attention = resolve_attention(hw)
+    attention = resolve_attention(hw, t)
     parts = {
         "weights (fp32)": FP32 * n,
         "gradients (fp32)": FP32 * n,

@@ -19,7 +19,8 @@ class HardwareConfig(Strict):
     min_compute_capability: tuple[StrictInt, StrictInt] | None = None
     # Device memory the profile plans for (GiB); the memory preflight checks configs against it.
     memory_gib: StrictFloat = Field(default=16.0, gt=0)
-    # Attention backend for scaled_dot_product_attention; "auto" lets PyTorch choose.
+    # Attention backend for scaled_dot_product_attention; "auto" lets PyTorch choose, and on CPU runs
+    # sequences up to 512 tokens as plain matmuls, faster there (enlace.model.CPU_MATMUL_ATTENTION_MAX_LEN).
     sdpa_backend: Literal["auto", "math", "efficient", "flash", "cudnn"] = "auto"
     compile: StrictBool = False
     # Threads for intra-op parallelism on CPU; null keeps PyTorch's default (all cores).

@@ -115,7 +115,7 @@ def init_model(cfg: Config, device: torch.device) -> Llama:
     """A freshly initialised model (hf.build_model adopts loaded weights instead). The weights depend only
     on train.seed: the same seed gives the same initial model on any machine."""
     seed_everything(cfg.train.seed)
-    return Llama(cfg.model).to(device)
+    return Llama(cfg.model, cfg.hardware.sdpa_backend).to(device)
 
 
 def lm_forward(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], accum: int):
