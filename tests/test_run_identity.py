@@ -107,3 +107,13 @@ def test_a_changed_source_list_is_named_not_dumped():
     note, sources = changed_keys(old, new)  # in key order
     assert sources == "data.sources: added games; removed docs; changed bible"
     assert note.startswith("data.note: 'aaa") and note.endswith("-> 'b'") and len(note) < 100
+
+
+@pytest.mark.parametrize("trainer_module", ["enlace.train.trainer", "enlace.finetune.train"])
+def test_model_code_is_part_of_every_run_identity(trainer_module):
+    """The model's forward is computed in every step: editing it (its attention, say) must start a new run
+    in pretraining and in LoRA fine-tuning alike, not resume weights trained by the old code."""
+    import importlib
+
+    step_code = {m.__name__ for m in importlib.import_module(trainer_module).STEP_CODE}
+    assert {"enlace.model", "enlace.train.step", "enlace.train.schedule"} <= step_code

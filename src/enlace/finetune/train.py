@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .. import model as model_module
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..errors import EnlaceError
@@ -56,7 +57,8 @@ CADENCE_KEYS = (
     "finetune.eval_prompts",
     "finetune.generation",
 )
-STEP_CODE = (step_module, schedule_module, data_module, hf_module, lora_module, loss_module)
+# The model's own forward is part of every step: a change there (attention, say) must not resume old adapters.
+STEP_CODE = (model_module, step_module, schedule_module, data_module, hf_module, lora_module, loss_module)
 RUN_FILES = ("metrics.jsonl", "adapter", "eval.json")
 
 
