@@ -22,6 +22,7 @@ BENCHMARKS = {
     "bench_overhead": "overhead",
     "bench_generate": "generate",
     "bench_lora": "lora",
+    "bench_attention": "attention",
     "bench_pretrain": "pretrain",
     "bench_quality": "quality",
     "bench_lora_quality": "lora_quality",

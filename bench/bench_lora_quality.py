@@ -44,13 +44,15 @@ def main() -> int:
             )
             t0 = time.perf_counter()
             run = finetune(cfg.finetune, cfg.hardware, fresh=True, progress=False)
+            if run.interrupted:
+                return run.exit_code
             ft = cfg.finetune
             tok = HFTokenizer(Path(ft.base_model))
             val = load_dataset(tok, Path(ft.val_data), ft.format, ft.max_len, None, ft.system_prompt)
             model = load_hf_folder(Path(ft.base_model))
             load_adapter(model, Path(ft.out) / "adapter", ft.base_model)
             loss = heldout_loss(model, val, tok.pad_id)
-            results[precision] = {"profile": profile, "steps": ft.steps, "train_loss": run["final"]["loss"],
+            results[precision] = {"profile": profile, "steps": ft.steps, "train_loss": run.final["loss"],
                                   "heldout_loss": loss, "seconds": time.perf_counter() - t0}  # fmt: skip
             print(
                 f"{precision} ({profile}): {ft.steps} steps, held-out assistant loss {loss:.4f}", flush=True

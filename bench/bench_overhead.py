@@ -53,11 +53,14 @@ def main() -> int:
     clip = cumulative(stats, "clip_grad.py:clip_grad_norm_")
     checkpoint = cumulative(stats, "checkpoint.py:save_checkpoint")
     # One-time start-up: runtime switches (deterministic mode imports part of torch's compiler stack),
-    # model and optimizer construction, the run identity and resume, loaders.
+    # model and optimizer construction, wrapping the model in torch.compile (importing the rest of that
+    # stack; compiling itself happens in the first forward and backward, counted in the step), the run
+    # identity and resume, loaders.
     setup = cumulative(
         stats,
         "runtime.py:setup_runtime",
         "trainer.py:init_model",
+        "torch/__init__.py:compile",
         "trainer.py:run_identity",
         "trainer.py:resume",
         "optim.py:build_optimizer",

@@ -19,7 +19,7 @@ import torch
 
 from bench.common import format_row, goal_row, write_result
 from enlace.config import load_config
-from enlace.eval.evaluate import load_trained_model, validation_metrics
+from enlace.eval.evaluate import load_scorer, validation_metrics
 from enlace.train.trainer import train
 
 PROFILES = {"fp32": "cpu", "bf16": "cpu-bf16"}
@@ -58,8 +58,8 @@ def main() -> int:
             print(f"{precision} ({profile}): {res.step} steps, val bpb {res.val_bpb:.4f}", flush=True)
         # The bf16-trained weights evaluated in fp32: separates training precision from eval precision.
         ref = load_config("params.yaml", select={"hardware": "cpu"}, overrides=overrides)
-        model, _, _ = load_trained_model(Path(tmp) / "bf16")
-        m = validation_metrics(model, ref, ref.train.eval_batches, torch.device("cpu"))
+        scorer = load_scorer(Path(tmp) / "bf16", ref.hardware, torch.device("cpu"))
+        m = validation_metrics(scorer)
         results["bf16"]["val_bpb_fp32_eval"] = m["val_bpb"]
     gap = results["bf16"]["val_bpb"] / results["fp32"]["val_bpb"] - 1
     row = goal_row(
