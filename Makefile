@@ -1,6 +1,7 @@
 # ENLACE: two commands set everything up on a fresh machine.
 #   make run   install into .venv, then run the DVC pipeline on the offline defaults
 #   make test  install into .venv, then run the test suite
+#   make docs  the documentation site, built offline into site/ (mkdocs --strict)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint docs bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -34,8 +35,14 @@ test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/ruff format --check src tests bench tools
+
+# The reference pages are generated from the config models and the CLI parser, then the site is built;
+# --strict turns a broken link or anchor, or a page missing from mkdocs.yml's nav, into an error.
+docs: $(STAMP)
+	$(BIN)/python tools/gen_docs.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
@@ -86,4 +93,4 @@ docker-lock: $(STAMP)
 	  } > docker/requirements-$$t.lock.new && mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site
