@@ -110,7 +110,7 @@ def _read_source(path: str) -> _Source:
     return _sources[path]
 
 
-def _comments_of(node: ast.AnnAssign, src: _Source) -> str:
+def _package_models(node: ast.AnnAssign, src: _Source) -> str:
     """The comment block right above a field (up to a blank line or code) and the comments on its lines."""
     above: list[str] = []
     line = node.lineno - 1
@@ -173,7 +173,7 @@ def field_comments(model: type[BaseModel]) -> dict[str, str]:
         opening = class_comment(klass)
         for stmt in node.body:
             if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                text = _comments_of(stmt, src)
+                text = _package_models(stmt, src)
                 if opening and stmt is node.body[0]:
                     text = text.removeprefix(opening).strip()
                 out[stmt.target.id] = text
@@ -395,6 +395,7 @@ def config_reference(package: str = "enlace.config") -> str:
     sections = build_sections(package)
     flat = list(_flatten(sections))
     anchors = {sec.model: slug(sec.path) for _, sec in flat}
+    package_models = set(_models_in(config_modules(package)))
     out = [
         "# Configuration reference",
         "",
@@ -413,7 +414,12 @@ def config_reference(package: str = "enlace.config") -> str:
         out.append("")
         lead = " ".join(p for p in (sec.intro, f"Model `{sec.model.__name__}`.") if p)
         out.append(lead)
-        for text in (_docstring(sec.model), cell(class_comment(sec.model))):
+        # A private base (not a section of its own) speaks through the models built on it.
+        bases = [
+            b for b in reversed(sec.model.__mro__[1:]) if b.__name__.startswith("_") and b in package_models
+        ]
+        opening = [class_comment(b) for b in bases] + [class_comment(sec.model)]
+        for text in (_docstring(sec.model), cell(" ".join(t for t in opening if t))):
             if text:
                 out += ["", text]
         out += ["", "| field | type | default | explanation |", "|---|---|---|---|"]
