@@ -63,10 +63,19 @@ def cell(text: str) -> str:
 
 
 def code(text: str) -> str:
-    """An inline code span for a table cell (pipes escaped: GitHub and Python-Markdown both unescape them)."""
-    text = " ".join(str(text).split()).replace("|", "\\|")
+    """An inline code span for a table cell.
+
+    A pipe inside backticks splits a Python-Markdown table cell, and an escaped one shows its backslash there
+    (GitHub hides it), so a span with a pipe is written as HTML, which both render the same.
+    """
+    text = " ".join(str(text).split())
+    if not text:
+        return ""
+    if "|" in text:
+        escaped = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("|", "&#124;")
+        return f"<code>{escaped}</code>"
     fence = "``" if "`" in text else "`"
-    return f"{fence}{text}{fence}" if text else ""
+    return f"{fence}{text}{fence}"
 
 
 # ---------------------------------------------------------------------------------------------------------
