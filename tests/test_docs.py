@@ -132,6 +132,34 @@ def test_config_reference_reads_comments_from_the_source(tmp_path, monkeypatch, 
     assert "| `inner` | [`Inner`](#leafinner) | (section below) |" in page
 
 
+def test_config_reference_takes_a_whole_config_model_as_the_layers(tmp_path, monkeypatch, gen_docs):
+    """Without a LAYERS table, a model made only of sections (a typed whole config) gives the top level."""
+    pkg = tmp_path / "demo_whole"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from pydantic import BaseModel
+
+            class Train(BaseModel):
+                steps: int  # how many
+
+            class Sampling(BaseModel):
+                top_p: float = 0.9
+
+            class Config(BaseModel):
+                train: Train
+                sampling: Sampling | None = None
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    page = gen_docs.config_reference("demo_whole")
+    assert [line for line in page.splitlines() if line.startswith("#")][1:] == ["## train", "## sampling"]
+    assert "| `steps` | `int` | **required** | how many |" in page
+    assert "Config" not in page.split("## train", 1)[1]
+
+
 def test_cli_reference_lists_every_command_and_option(gen_docs):
     import argparse
 

@@ -345,25 +345,59 @@ def _discriminators(model: type[BaseModel]) -> str:
     return ", ".join(tags)
 
 
+def _is_container(model: type[BaseModel]) -> bool:
+    """A model whose every field is one config section (a whole resolved config): its fields are the roots."""
+    fields = list(model.model_fields.values())
+    return bool(fields) and all(
+        len(nested_models(f.annotation)) == 1
+        and all(a is type(None) or a in nested_models(f.annotation) for a in _union_args(f.annotation))
+        for f in fields
+    )
+
+
+def _union_args(tp: Any) -> tuple[Any, ...]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _intro(key: str, package_doc: str = "") -> str:
+    if (ROOT / "configs" / key).is_dir():
+        return f"The `{key}` layer: one file per profile in `configs/{key}/`."
+    return f"The `{key}` section. {package_doc}".strip()
+
+
 def build_sections(package: str = "enlace.config") -> list[Section]:
+    """The tree of sections: the layers first (in the order the package lists them), then the other
+    top-level sections, each followed by the models nested in it."""
     mods = config_modules(package)
     models = _models_in(mods)
     layers = _layer_table(mods)
     attrs = _attribute_names(mods)
+    containers = [m for m in models if _is_container(m)]
     referenced = {
-        child for m in models for f in m.model_fields.values() for child in nested_models(f.annotation)
+        child
+        for m in models
+        if m not in containers
+        for f in m.model_fields.values()
+        for child in nested_models(f.annotation)
     }
-    roots: list[tuple[str, type[BaseModel], str]] = []
-    for name, model in layers.items():
-        roots.append((name, model, f"The `{name}` layer: one file per profile in `configs/{name}/`."))
+    roots: list[tuple[str, type[BaseModel], str]] = [
+        (name, model, _intro(name)) for name, model in layers.items()
+    ]
+    for container in containers:
+        for name, info in container.model_fields.items():
+            (model,) = nested_models(info.annotation)
+            if all(model is not r[1] for r in roots):
+                roots.append((name, model, _intro(name)))
     for model in models:
-        if model in layers.values() or model in referenced:
+        if model in containers or model in referenced or any(model is r[1] for r in roots):
             continue
         if model.__name__.startswith("_") or any(m is not model and issubclass(m, model) for m in models):
             continue  # a base the documented variants inherit from: its fields appear in each of them
         key = attrs.get(model, model.__name__)
         doc = (inspect.getmodule(model).__doc__ or "").strip().splitlines()
-        roots.append((key, model, f"The `{key}` section. {doc[0]}" if doc else f"The `{key}` section."))
+        roots.append((key, model, _intro(key, doc[0] if doc else "")))
     placed: set[type] = set()
 
     def grow(path: str, model: type[BaseModel], intro: str) -> Section:
