@@ -18,7 +18,6 @@ import enum
 import importlib
 import inspect
 import io
-import os
 import pkgutil
 import re
 import sys
@@ -42,8 +41,7 @@ CLI_PAGE = Path("docs/reference/cli.md")
 REGENERATE = "python tools/gen_docs.py (or make docs)"
 # Comments that talk to tools, not to readers.
 PRAGMA = re.compile(r"^(fmt:|noqa|type:|pragma|isort:|ruff:)")
-# Usage lines are wrapped at a fixed width, so the page does not depend on the terminal that generated it.
-USAGE_COLUMNS = "100"
+USAGE_WIDTH = 100
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -505,16 +503,39 @@ def _subparsers(parser: argparse.ArgumentParser) -> list[tuple[str, str, argpars
     return out
 
 
+def _usage_part(action: argparse.Action) -> str:
+    value = _value(action)
+    if not action.option_strings:  # positional
+        name = value or action.dest
+        if isinstance(action, argparse._SubParsersAction):
+            name = f"{action.metavar or action.dest} ..."
+        elif action.nargs == "?":
+            name = f"[{name}]"
+        elif action.nargs in ("*", "+"):
+            name = f"{name} [{name} ...]" if action.nargs == "+" else f"[{name} ...]"
+        return name
+    if value and action.nargs == "?":
+        value = f"[{value}]"
+    elif value and action.nargs in ("*", "+"):
+        value = f"{value} [{value} ...]" if action.nargs == "+" else f"[{value} ...]"
+    text = f"{action.option_strings[0]} {value}".strip()
+    return text if action.required else f"[{text}]"
+
+
 def _usage(parser: argparse.ArgumentParser) -> str:
-    old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = USAGE_COLUMNS
-    try:
-        return parser.format_usage().strip()
-    finally:
-        if old is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = old
+    """The usage line, written here rather than by argparse: argparse's wrapping and layout change between
+    Python versions and terminals, and the page must not."""
+    parts = ["[-h]"] if any(isinstance(a, argparse._HelpAction) for a in parser._actions) else []
+    optional = [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
+    positional = [a for a in parser._actions if not a.option_strings]
+    parts += [_usage_part(a) for a in optional + positional if a.help != argparse.SUPPRESS]
+    lead = f"usage: {parser.prog} "
+    lines = [""]
+    for part in parts:  # wrapped between parts, never inside one
+        if lines[-1] and len(lead) + len(lines[-1]) + 1 + len(part) > USAGE_WIDTH:
+            lines.append("")
+        lines[-1] = f"{lines[-1]} {part}".strip()
+    return "\n".join((lead if i == 0 else " " * len(lead)) + line for i, line in enumerate(lines)).rstrip()
 
 
 def _names(action: argparse.Action) -> str:
@@ -557,8 +578,9 @@ def _action_key(a: argparse.Action) -> tuple:
 def _options_table(parser: argparse.ArgumentParser, actions: list[argparse.Action]) -> list[str]:
     rows = ["| argument | value | default | what it does |", "|---|---|---|---|"]
     formatter = parser._get_formatter()
+    expand = getattr(formatter, "_expand_help", lambda action: action.help)  # fills in %(default)s
     for a in actions:
-        text = formatter._expand_help(a) if a.help else ""
+        text = expand(a) if a.help else ""
         rows.append(f"| {code(_names(a))} | {code(_value(a))} | {_default(a)} | {cell(text)} |")
     return rows
 
