@@ -59,6 +59,7 @@ def _page_tables(page: str) -> dict[str, set[str]]:
 
 def test_config_reference_covers_every_field_of_every_layer(gen_docs):
     """Walked independently of the generator: each layer, each nested model, each field has its row."""
+    from docgen import config_ref
     from pydantic import BaseModel
 
     from enlace.config import resolve
@@ -75,8 +76,8 @@ def test_config_reference_covers_every_field_of_every_layer(gen_docs):
             if name not in rows:
                 missing.append(f"{path}.{name}")
             many = "list[" in str(info.annotation)
-            for child in gen_docs.nested_models(info.annotation):
-                tag = gen_docs._discriminators(child)
+            for child in config_ref.nested_models(info.annotation):
+                tag = config_ref.discriminators(child)
                 child_path = f"{path}.{name}" + ("[]" if many else "")
                 walk(f"{child_path} ({tag})" if tag else child_path, child)
 
@@ -271,8 +272,10 @@ def test_readmes_are_in_step():
 
 
 def _anchors(page: Path, gen_docs) -> set[str]:
+    from docgen import markdown
+
     return {
-        gen_docs.slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", _without_code(page.read_text()), re.M)
+        markdown.slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", _without_code(page.read_text()), re.M)
     }
 
 
