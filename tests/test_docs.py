@@ -154,11 +154,40 @@ def test_config_reference_takes_a_whole_config_model_as_the_layers(tmp_path, mon
             """
         )
     )
+    (tmp_path / "demo_layers").mkdir()
+    (tmp_path / "demo_layers" / "__init__.py").write_text(
+        textwrap.dedent(
+            """
+            from pydantic import BaseModel
+
+            class Train(BaseModel):
+                steps: int  # how many
+
+            class Data(BaseModel):
+                name: str
+
+            class Sampling(BaseModel):
+                top_p: float = 0.9
+
+            LAYERS = {"data": Data, "train": Train}
+
+            class Config(BaseModel):  # the layers plus bookkeeping that no config file sets
+                train: Train
+                data: Data
+                sampling: Sampling = Sampling()
+                files: dict[str, str] = {}
+            """
+        )
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     page = gen_docs.config_reference("demo_whole")
     assert [line for line in page.splitlines() if line.startswith("#")][1:] == ["## train", "## sampling"]
     assert "| `steps` | `int` | **required** | how many |" in page
     assert "Config" not in page.split("## train", 1)[1]
+    page = gen_docs.config_reference("demo_layers")
+    headings = [line for line in page.splitlines() if line.startswith("#")][1:]
+    assert headings == ["## data", "## train", "## sampling"], headings
+    assert "`files`" not in page
 
 
 def test_cli_reference_lists_every_command_and_option(gen_docs):

@@ -179,14 +179,21 @@ def discriminators(model: type[BaseModel]) -> str:
     return ", ".join(tags)
 
 
-def _is_container(model: type[BaseModel]) -> bool:
-    """A model whose every field is one config section (a whole resolved config): its fields are the roots."""
-    fields = list(model.model_fields.values())
-    return bool(fields) and all(
-        len(nested_models(f.annotation)) == 1
-        and all(a is type(None) or a in nested_models(f.annotation) for a in _union_args(f.annotation))
-        for f in fields
-    )
+def _section_of(info: FieldInfo) -> type[BaseModel] | None:
+    """The model a field holds when it is one section (`train: TrainConfig`, or `| None`), else None."""
+    models = nested_models(info.annotation)
+    if len(models) == 1 and all(a is type(None) or a is models[0] for a in _union_args(info.annotation)):
+        return models[0]
+    return None
+
+
+def _is_container(model: type[BaseModel], layers: dict[str, type[BaseModel]]) -> bool:
+    """A typed whole config: a model holding two or more of the layers (its other fields are bookkeeping,
+    not keys of a config file), or, without a layer table, a model whose every field is a section."""
+    sections = [_section_of(f) for f in model.model_fields.values()]
+    if layers:
+        return model not in layers.values() and sum(s in layers.values() for s in sections) >= 2
+    return bool(sections) and all(sections)
 
 
 def _union_args(tp: Any) -> tuple[Any, ...]:
@@ -208,7 +215,7 @@ def build_sections(package: str = "enlace.config") -> list[Section]:
     models = _models_in(mods)
     layers = _layer_table(mods)
     attrs = _attribute_names(mods)
-    containers = [m for m in models if _is_container(m)]
+    containers = [m for m in models if _is_container(m, layers)]
     referenced = {
         child
         for m in models
@@ -221,8 +228,8 @@ def build_sections(package: str = "enlace.config") -> list[Section]:
     ]
     for container in containers:
         for name, info in container.model_fields.items():
-            (model,) = nested_models(info.annotation)
-            if all(model is not r[1] for r in roots):
+            model = _section_of(info)
+            if model is not None and all(model is not r[1] for r in roots):
                 roots.append((name, model, _intro(name)))
     for model in models:
         if model in containers or model in referenced or any(model is r[1] for r in roots):
