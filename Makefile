@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint docs bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -40,6 +40,7 @@ lint: $(STAMP)
 
 # The reference pages are generated from the config models and the CLI parser, then the site is built;
 # --strict turns a broken link or anchor, or a page missing from mkdocs.yml's nav, into an error.
+.PHONY: docs
 docs: $(STAMP)
 	$(BIN)/python tools/gen_docs.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
