@@ -1,6 +1,7 @@
 # ENLACE: two commands set everything up on a fresh machine.
 #   make run   install into .venv, then run the DVC pipeline on the offline defaults
 #   make test  install into .venv, then run the test suite
+#   make docs  the documentation site, built offline into site/ (mkdocs --strict)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -34,8 +35,15 @@ test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench tools
+	$(BIN)/ruff format --check src tests bench tools
+
+# The reference pages are generated from the config models and the CLI parser, then the site is built;
+# --strict turns a broken link or anchor, or a page missing from mkdocs.yml's nav, into an error.
+.PHONY: docs
+docs: $(STAMP)
+	$(BIN)/python tools/gen_docs.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
@@ -86,4 +94,4 @@ docker-lock: $(STAMP)
 	  } > docker/requirements-$$t.lock.new && mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache site
