@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint bench serve gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -39,6 +39,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The fine-tuned assistant of `make run` over an OpenAI-compatible API, chat page at http://127.0.0.1:8080/.
+# Other models or options: make serve SERVE_ARGS="--model models/smollm2-135m-instruct --port 8081"
+SERVE_ARGS ?=
+serve: $(STAMP)
+	$(BIN)/enlace serve $(SERVE_ARGS)
 
 gpu-check: $(STAMP)
 	$(BIN)/python -m enlace.gpu_check --out runs/gpu-check.json
