@@ -295,3 +295,52 @@ def test_serve_cli_errors_are_one_line(tmp_path, capsys):
     args = ["serve", "--params", str(ROOT / "params.yaml"), "--set", f"finetune.out={tmp_path / 'ft'}"]
     assert main(args) == 2
     assert "no fine-tuned assistant yet" in capsys.readouterr().err
+
+
+def test_a_pretraining_run_is_served_as_text_continuation(tmp_path):
+    from helpers import loaders_for, tiny_config
+
+    from enlace.train.trainer import train
+
+    cfg = tiny_config({"train.max_steps": 2, "train.checkpoint.every": 2})
+    tr, va = loaders_for(cfg)
+    train(cfg, tmp_path / "run", loader=tr, val_loader=va, progress=False)
+    s = Server(["--model", str(tmp_path / "run")], cwd=tmp_path, log=tmp_path / "server.log")
+    try:
+        status, _, body = s.request("GET", "/v1/models")
+        card = json.loads(body)["data"][0]
+        assert (
+            status == 200 and card["id"] == "run" and card["chat"] is False and card["context_length"] == 32
+        )
+        status, _, body = s.request("POST", CHAT, body={"messages": MSG})
+        assert status == 400 and json.loads(body)["error"]["code"] == "no_chat_template"
+        body = {"prompt": "Había una vez", "max_tokens": 5, "temperature": 0}
+        status, _, raw = s.request("POST", "/v1/completions", body=body)
+        r = json.loads(raw)
+        assert status == 200 and r["usage"]["prompt_tokens"] == len("Había una vez".encode())
+        assert r["usage"]["completion_tokens"] == 5 and isinstance(r["choices"][0]["text"], str)
+        status, _, raw = s.request("POST", "/v1/completions", body={**body, "max_tokens": 30})
+        assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded"
+    finally:
+        s.stop()
+
+
+def test_model_folders_are_told_apart(project, tmp_path):
+    from enlace.errors import EnlaceError
+    from enlace.serve.loader import default_name, resolve
+
+    def never():
+        raise AssertionError("the default is only for no --model")
+
+    run = project / "runs" / "finetune"
+    kind, base, adapter = resolve(str(run), None, never)  # a LoRA run: its base from its resolved config
+    assert (kind, base, adapter) == ("hf", project / "base", run / "adapter")
+    assert default_name(kind, base, adapter) == "base+finetune"
+    assert resolve(str(project / "base"), None, never) == ("hf", project / "base", None)
+    assert resolve(str(project / "base"), str(run / "adapter"), never)[2] == run / "adapter"
+    (tmp_path / "ckpt" / "checkpoints").mkdir(parents=True)
+    assert resolve(str(tmp_path / "ckpt"), None, never)[0] == "run"
+    with pytest.raises(EnlaceError, match="--adapter applies to Hugging Face model folders"):
+        resolve(str(tmp_path / "ckpt"), str(run / "adapter"), never)
+    with pytest.raises(EnlaceError, match="neither a run folder"):
+        resolve(str(tmp_path), None, never)

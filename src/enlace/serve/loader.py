@@ -127,6 +127,9 @@ def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[
         raise EnlaceError(f"--model {path}: no such folder")
     if not path.is_dir():
         raise EnlaceError(f"--model {path}: not a folder (a run folder or a Hugging Face model folder)")
+    # A LoRA run (runs/finetune) keeps checkpoints/ too: its adapter tells it from a pretraining run.
+    if (path / "adapter" / "adapter_config.json").exists() and not (path / "model.safetensors").exists():
+        return "hf", _base_of_lora_run(path), Path(adapter) if adapter else path / "adapter"
     if (path / "checkpoints").is_dir():
         if adapter is not None:
             raise EnlaceError(
@@ -134,8 +137,6 @@ def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[
                 f"(`enlace export --run-dir {path}`), then pass --model runs/export/hf"
             )
         return "run", path, None
-    if (path / "adapter" / "adapter_config.json").exists() and not (path / "model.safetensors").exists():
-        return "hf", _base_of_lora_run(path), Path(adapter) if adapter else path / "adapter"
     if (path / "config.json").exists():
         return "hf", path, Path(adapter) if adapter else None
     raise EnlaceError(
