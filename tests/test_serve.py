@@ -264,6 +264,19 @@ def test_non_streamed_request_that_hangs_up_is_stopped(server):
     assert after["tokens_generated"] - before["tokens_generated"] < LONG
 
 
+def test_clients_that_hang_up_at_once_leave_no_place_taken(server, client):
+    import socket
+
+    body = json.dumps({"messages": MSG, "max_tokens": LONG, "ignore_eos": True, "stream": True}).encode()
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    for _ in range(8):  # more than the slot and the queue hold
+        s = socket.create_connection(("127.0.0.1", server.port))
+        s.sendall(head.encode() + f"Authorization: Bearer {KEY}\r\n\r\n".encode() + body)
+        s.close()
+    server.wait_for(lambda h: h["busy"] == 0 and h["queued"] == 0, what="every place given back")
+    assert client.chat.completions.create(model="base+finetune", messages=MSG, max_tokens=2).choices
+
+
 def test_concurrent_requests_all_answered(server, client):
     # More requests than slot plus queue hold are refused; the rest are answered; nothing hangs.
     results: list[object] = []
@@ -344,3 +357,25 @@ def test_model_folders_are_told_apart(project, tmp_path):
         resolve(str(tmp_path / "ckpt"), str(run / "adapter"), never)
     with pytest.raises(EnlaceError, match="neither a run folder"):
         resolve(str(tmp_path), None, never)
+
+
+@pytest.mark.parametrize(
+    "stops,pieces,want,hit",
+    [
+        ([], ["ab", "cd"], "abcd", False),
+        (["cd"], ["ab", "c", "de"], "ab", True),  # a stop split across pieces
+        (["xyz"], ["abx", "y", "q"], "abxyq", False),  # a false start is released
+        (["\n\n", "FIN"], ["Hola", "\n", "\nadiós"], "Hola", True),
+        (["FIN"], ["aFI"], "a", False),  # held back: "FI" may still become "FIN" (flush releases it)
+    ],
+)
+def test_stop_strings(stops, pieces, want, hit):
+    from enlace.serve.engine import StopScanner
+
+    scan, out, ended = StopScanner(stops), "", False
+    for p in pieces:
+        text, ended = scan.feed(p)
+        out += text
+        if ended:
+            break
+    assert (out, ended) == (want, hit)

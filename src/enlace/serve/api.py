@@ -122,6 +122,21 @@ def parse(model_cls: type[Sampling], obj: dict[str, Any]) -> Any:
         ) from None
 
 
+class _JobStream(StreamingResponse):
+    """A streamed answer that gives its job's queue place back even if the client left before the first
+    byte (then the body is never iterated, and its own cleanup never runs)."""
+
+    def __init__(self, engine: Engine, job: Job, body: AsyncIterator[str], **kw: Any):
+        super().__init__(body, **kw)
+        self.engine, self.job = engine, job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.engine.abandon(self.job)
+
+
 def _chat_sampling() -> dict[str, Any]:
     from ..finetune.chat import CHAT_SAMPLING
 
@@ -229,6 +244,7 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
                     return "".join(parts), ev
         finally:
             watcher.cancel()
+            engine.abandon(job)
         return "".join(parts), Event("done", finish_reason="cancelled")
 
     def sse(obj: Any) -> str:
@@ -251,9 +267,9 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
                     yield sse(chunk(usage_only=ev.usage))
         yield "data: [DONE]\n\n"
 
-    def streaming(body: AsyncIterator[str]) -> StreamingResponse:
+    def streaming(job: Job, body: AsyncIterator[str]) -> StreamingResponse:
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+        return _JobStream(engine, job, body, media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -288,7 +304,7 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return streaming(stream(job, chunk, include))
+            return streaming(job, stream(job, chunk, include))
         text, done = await collect(request, job)
         return JSONResponse({
             "id": cid, "object": "chat.completion", "created": now, "model": served.name, "system_fingerprint": None,
@@ -326,7 +342,7 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
 
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
-            return streaming(stream(job, chunk, include))
+            return streaming(job, stream(job, chunk, include))
         text, done = await collect(request, job)
         return JSONResponse({
             "id": cid, "object": "text_completion", "created": now, "model": served.name, "system_fingerprint": None,

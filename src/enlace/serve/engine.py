@@ -91,6 +91,7 @@ class Job:
         self.cancel = threading.Event()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
+        self.entered = False  # events() has run (or the job was abandoned): its queue place is accounted for
 
     def emit(self, event: Event) -> None:
         """From the worker thread: hand an event to the loop (dropped if the loop has already closed)."""
@@ -142,6 +143,9 @@ class Engine:
         Closing or cancelling this iterator (the client went away) stops the generation at the next token.
         The slot and the queue place are given back when the worker thread is done, not before.
         """
+        if job.entered:
+            return
+        job.entered = True
         acquired = started = False
         try:
             await self.free.acquire()
@@ -164,12 +168,22 @@ class Engine:
                 if acquired:
                     self.free.release()
 
+    def abandon(self, job: Job) -> None:
+        """Give back the queue place of a job whose events() never ran: its client left before the response
+        began. A no-op for a job that ran."""
+        if not job.entered:
+            job.entered = True
+            job.cancel.set()
+            self.admitted -= 1
+
     def _done(self, job: Job, future: asyncio.Future) -> None:
         self.running.discard(job)
         self.admitted -= 1
         self.free.release()
         if future.cancelled() or future.exception() is not None:
             self.stats["failed"] += 1
+            # Whoever waits on the job must not wait forever (the worker may have died before saying so).
+            job.events.put_nowait(Event("error", "generation failed"))
             return
         finish, n = future.result()
         self.stats["tokens_generated"] += n
@@ -179,11 +193,11 @@ class Engine:
         """The worker thread: generate, decode and emit text; check for cancellation between tokens."""
         r, served = job.req, self.served
         stop_ids = () if r.ignore_eos else tuple(served.eos_ids)
-        stream, scan = served.stream(r.prompt_ids), StopScanner(r.stop)
         t0 = time.perf_counter()
         first = last = t0
         n, finish = 0, "length"
         try:
+            stream, scan = served.stream(r.prompt_ids), StopScanner(r.stop)
             tokens = generate(
                 served.model, r.prompt_ids, r.max_tokens, temperature=r.temperature, top_k=r.top_k,
                 top_p=r.top_p, repetition_penalty=r.repetition_penalty, no_repeat_ngram=r.no_repeat_ngram,
