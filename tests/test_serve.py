@@ -21,6 +21,7 @@ from serve_helpers import ROOT, Server, next_event
 from enlace.cli import main
 
 KEY = "sk-test-enlace"
+LAYER = "smollm2-es"  # a finetune layer in dolly format
 LONG = 4000  # tokens a stream may run for; the tiny model needs several seconds for them
 
 
@@ -30,7 +31,9 @@ def project(tmp_path_factory):
     base = make_folder(root / "base", max_position_embeddings=4096)
     train = write_jsonl(root / "train.jsonl", chat_rows(8))
     val = write_jsonl(root / "val.jsonl", chat_rows(10)[8:])
-    args = ["finetune", "--params", str(ROOT / "params.yaml"), "--model", str(base), "--data", str(train)]
+    # The layer is named: another default layer (another base, another data format) must not change the test.
+    args = ["finetune", "--params", str(ROOT / "params.yaml"), "--finetune", LAYER, "--model", str(base)]
+    args += ["--data", str(train)]
     args += ["--val-data", str(val), "--steps", "3", "--batch", "2", "--max-len", "192", "--rank", "4"]
     args += ["--out", str(root / "runs" / "finetune"), "--quiet", "--set", "finetune.warmup=1"]
     args += ["--set", "finetune.lr=0.05", "--targets", "q_proj,v_proj"]
@@ -41,7 +44,8 @@ def project(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(project):
     # No --model: the default assistant of the finetune layer, pointed at the tiny base and its run.
-    args = ["--params", str(ROOT / "params.yaml"), "--set", f"finetune.base_model={project / 'base'}"]
+    args = ["--params", str(ROOT / "params.yaml"), "--finetune", LAYER]
+    args += ["--set", f"finetune.base_model={project / 'base'}"]
     args += ["--set", f"finetune.out={project / 'runs' / 'finetune'}", "--slots", "1", "--queue", "1"]
     args += ["--max-tokens", str(LONG), "--max-prompt-tokens", "256"]
     s = Server(args, cwd=project, log=project / "server.log", api_key=KEY)
