@@ -137,6 +137,25 @@ class _JobStream(StreamingResponse):
             self.engine.abandon(self.job)
 
 
+class _ApiKey:
+    """Plain ASGI: /v1/ needs Authorization: Bearer KEY; the page and /health stay open (the page asks for
+    the key). Not a BaseHTTPMiddleware, which would pass every streamed chunk through one more queue."""
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                error = ApiError(401, "invalid or missing API key (send the header Authorization: Bearer KEY)",
+                                 code="invalid_api_key")  # fmt: skip
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _chat_sampling() -> dict[str, Any]:
     from ..finetune.chat import CHAT_SAMPLING
 
@@ -165,18 +184,8 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
     async def _server_error(_request: Request, exc: Exception) -> JSONResponse:
         return ApiError(500, f"internal error: {type(exc).__name__}", kind="server_error").response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        # The page and health stay open; the API needs the key when one is set.
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(
-                token.strip().encode(), api_key.encode()
-            ):
-                return ApiError(401, "invalid or missing API key (send the header Authorization: Bearer KEY)",
-                                code="invalid_api_key").response()  # fmt: skip
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(_ApiKey, key=api_key)
 
     def model_card() -> dict[str, Any]:
         return {
