@@ -383,3 +383,12 @@ def test_stop_strings(stops, pieces, want, hit):
         if ended:
             break
     assert (out, ended) == (want, hit)
+
+
+def test_explicit_nulls_are_the_defaults(server):
+    nulls = {
+        k: None for k in ("model", "temperature", "top_p", "stop", "stream", "n", "seed", "logprobs", "user")
+    }
+    status, _, raw = server.request("POST", CHAT, body={"messages": MSG, "max_tokens": 2, **nulls})
+    assert status == 200, raw
+    assert json.loads(raw)["usage"]["completion_tokens"] <= 2

@@ -222,7 +222,7 @@ def create_app(engine: Engine, limits: Limits | None = None, api_key: str | None
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
             repetition_penalty=pick("repetition_penalty"), no_repeat_ngram=pick("no_repeat_ngram"),
             seed=req.seed if req.seed is not None else secrets.randbits(32), stop=req.stops(),
-            ignore_eos=req.ignore_eos,
+            ignore_eos=bool(req.ignore_eos),
         )  # fmt: skip
 
     def admit(gen: GenRequest) -> Job:

@@ -41,7 +41,8 @@ class StreamOptions(_Strict):
 
 
 class Sampling(_Strict):
-    """What both endpoints share. None: the server's default (those of `enlace chat`)."""
+    """What both endpoints share. None (left out or sent as null): the server's default (those of `enlace
+    chat` for the sampling settings)."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -56,10 +57,10 @@ class Sampling(_Strict):
         | Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP)]
         | None
     ) = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    ignore_eos: bool | None = False
+    n: Annotated[int, Field(ge=1, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     logprobs: Literal[False] | None = None
@@ -92,7 +93,7 @@ class CompletionRequest(Sampling):
         | Annotated[list[str], Field(min_length=1, max_length=1)]
         | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     )
-    echo: Literal[False] = False
+    echo: Literal[False] | None = None
     suffix: None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
