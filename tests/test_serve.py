@@ -392,3 +392,34 @@ def test_explicit_nulls_are_the_defaults(server):
     status, _, raw = server.request("POST", CHAT, body={"messages": MSG, "max_tokens": 2, **nulls})
     assert status == 200, raw
     assert json.loads(raw)["usage"]["completion_tokens"] <= 2
+
+
+def test_two_slots_generate_at_once(project):
+    import asyncio
+
+    from enlace.serve.engine import Engine, GenRequest, QueueFull
+    from enlace.serve.loader import load_served
+
+    served = load_served(str(project / "base"), None, default=None, weights="fp32")
+
+    def req(n):
+        return GenRequest(prompt_ids=served.encode_text("Había una vez"), max_tokens=n, temperature=0.0, top_p=1.0,
+                          top_k=0, repetition_penalty=1.0, no_repeat_ngram=0, seed=0, ignore_eos=True)  # fmt: skip
+
+    async def run():
+        engine = Engine(served, slots=2, queue=0)
+        jobs = [engine.admit(req(LONG)), engine.admit(req(LONG))]
+        with pytest.raises(QueueFull):
+            engine.admit(req(1))  # both slots taken, no queue
+        streams = [engine.events(j) for j in jobs]
+        firsts = [await s.__anext__() for s in streams]
+        assert [e.kind for e in firsts] == ["text", "text"] and engine.status()["busy"] == 2
+        for s in streams:
+            await s.aclose()  # both hang up: both stop between tokens
+        while engine.status()["busy"]:
+            await asyncio.sleep(0.01)
+        engine.close()
+        return engine.status()
+
+    status = asyncio.run(run())
+    assert status["cancelled"] == 2 and status["queued"] == 0 and status["tokens_generated"] < 2 * LONG
