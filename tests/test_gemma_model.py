@@ -137,3 +137,35 @@ def test_defaults_are_llama():
     names = list(Llama(cfg).state_dict())
     assert not any("feedforward" in n for n in names)
     assert all(m.window is None and m.scale is None for m in Llama(cfg).modules() if hasattr(m, "window"))
+
+
+def test_lora_merged_export_keeps_gemma_and_its_licence(tmp_path):
+    """A LoRA adapter on a Gemma base merges into a folder transformers loads to our merged logits, and
+    the base's licence files travel with the derived weights."""
+    from helpers import write_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from enlace.finetune.lora import ALL_TARGETS, inject_lora, lora_modules, save_adapter
+    from enlace.hf.export import export_merged
+
+    base = tmp_path / "base"
+    vocab = write_tokenizer(base)
+    ours = ours_from(tiny_hf(vocab_size=vocab))
+    save_hf_folder(ours, base, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    for name, text in (("LICENSE.md", "Gemma Terms of Use\n"), ("GEMMA_TERMS.html", "<p>terms</p>\n")):
+        (base / name).write_text(text, encoding="utf-8")
+    inject_lora(ours, ALL_TARGETS, rank=4, alpha=8.0)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for m in lora_modules(ours).values():
+            m.lora_B.weight.normal_(0, 0.05)  # a trained-looking adapter: B starts at zero
+    save_adapter(ours, tmp_path / "adapter", str(base))
+    ids = torch.randint(0, vocab, (1, 14), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = ours.eval()(ids).logits
+    export_merged(base, tmp_path / "adapter", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-4)
+    for name in ("LICENSE.md", "GEMMA_TERMS.html"):
+        assert (tmp_path / "merged" / name).read_bytes() == (base / name).read_bytes()
