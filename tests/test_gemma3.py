@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from helpers import llamacpp_permute
 
 from enlace.cli import main
 from enlace.errors import DataError, EnlaceError
@@ -103,6 +105,30 @@ def test_weights_equal_transformers_dequantisation(ours, reference):
     assert set(mine) == set(ref)
     differ = [k for k in ref if not torch.equal(mine[k], ref[k])]
     assert not differ, differ[:5]
+
+
+def test_no_qk_permutation_is_right(ours, folder):
+    """llama.cpp permutes q/k rows for its `llama` architecture only; `gemma3` rotates halves (NeoX), as we
+    do. Applying llama.cpp's permutation anyway makes the Spanish loss much worse: the layout is right."""
+    ids = torch.tensor([HFTokenizer(folder).encode(SPANISH)])
+
+    def loss() -> float:
+        with torch.no_grad():
+            return F.cross_entropy(ours(ids).logits[0, :-1], ids[0, 1:]).item()
+
+    right = loss()
+    cfg = ours.cfg
+    saved = {
+        k: v.clone() for k, v in ours.state_dict().items() if k.endswith(("q_proj.weight", "k_proj.weight"))
+    }
+    with torch.no_grad():
+        for layer in ours.model.layers:
+            q, k = layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight
+            q.copy_(llamacpp_permute(q.clone(), cfg.n_head, cfg.n_head))
+            k.copy_(llamacpp_permute(k.clone(), cfg.n_head, cfg.n_kv_head))
+        wrong = loss()
+        ours.load_state_dict(saved, strict=False)  # leave the shared model as it was
+    assert right < 3.0 and right < wrong - 1.0, (right, wrong)
 
 
 def test_tokenizer_ids_equal_transformers(folder, reference):

@@ -169,3 +169,21 @@ def test_lora_merged_export_keeps_gemma_and_its_licence(tmp_path):
         torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-4)
     for name in ("LICENSE.md", "GEMMA_TERMS.html"):
         assert (tmp_path / "merged" / name).read_bytes() == (base / name).read_bytes()
+
+
+def test_gguf_export_of_gemma_is_refused(pair):
+    from enlace.hf.state_dict_adapter import WeightsError, gguf_arch
+
+    with pytest.raises(WeightsError, match="GGUF export of Gemma 3 is not implemented"):
+        gguf_arch(pair[1].cfg)
+
+
+def test_qwen3_is_not_mistaken_for_a_partial_gemma():
+    """QK-norm alone is Qwen3 (exported as such); a Gemma switch without the others is refused by name."""
+    from enlace.hf.config import UnsupportedModelError
+
+    base = dict(name="t", vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=16)
+    assert to_hf_config(ModelConfig(**base, qk_norm=True))["model_type"] == "qwen3"
+    assert to_hf_config(ModelConfig(**base))["model_type"] == "llama"
+    with pytest.raises(UnsupportedModelError, match="only exportable all together"):
+        to_hf_config(ModelConfig(**base, sandwich_norm=True))

@@ -120,8 +120,9 @@ def _from_gemma3(hf: dict[str, Any], source: str, name: str | None) -> ModelConf
 
 def is_gemma3(cfg: ModelConfig) -> bool:
     """Whether cfg is Gemma 3's computation; a partial set of its switches has no Hugging Face model."""
-    on = [getattr(cfg, k) == v for k, v in GEMMA3_SWITCHES.items()]
-    if any(on) and not all(on):
+    # qk_norm alone is Qwen3's: only the Gemma-only switches decide whether this is meant to be Gemma.
+    on = [getattr(cfg, k) == v for k, v in GEMMA3_SWITCHES.items() if k != "qk_norm"]
+    if any(on) and not (all(on) and cfg.qk_norm):
         raise UnsupportedModelError(
             f"model {cfg.name}: Gemma switches {GEMMA3_SWITCHES} are only exportable all together "
             f"(got { ({k: getattr(cfg, k) for k in GEMMA3_SWITCHES}) })"
