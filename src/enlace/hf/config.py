@@ -138,7 +138,7 @@ def from_hf_config(hf: dict[str, Any], source: str = "config.json", name: str | 
     problems: list[str] = []
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED:
-        problems.append(f"model_type {model_type!r} is not one of {sorted(SUPPORTED)}")
+        problems.append(f"model_type {model_type!r} is not one of {sorted([*SUPPORTED, GEMMA3[0]])}")
     archs = hf.get("architectures") or [SUPPORTED.get(model_type or "", "")]
     if any(a not in SUPPORTED.values() for a in archs):
         problems.append(f"architectures {archs} are not one of {sorted(SUPPORTED.values())}")

@@ -208,7 +208,9 @@ def _fields(reader) -> dict[str, Any]:
 def hf_config_from_gguf(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch not in ("llama", "qwen3"):
-        raise UnsupportedModelError(f"GGUF architecture {arch!r}; only 'llama' and 'qwen3' are supported")
+        raise UnsupportedModelError(
+            f"GGUF architecture {arch!r}; only 'llama', 'qwen3' and 'gemma3' are supported"
+        )
     if any(k.startswith(f"{arch}.rope.scaling") for k in meta):
         raise UnsupportedModelError(f"GGUF sets {arch}.rope.scaling.*; only plain RoPE is supported")
     d, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
