@@ -176,6 +176,9 @@ def test_chat_template_equals_transformers_rendering(folder):
     from transformers import AutoTokenizer
 
     ours, theirs = HFTokenizer(folder), AutoTokenizer.from_pretrained(folder)
+    assert theirs(SPANISH)["input_ids"] == ours.encode(
+        SPANISH
+    )  # the folder's tokenizer, read by transformers
     msgs = [
         {"role": "system", "content": "Responde en español."},
         {"role": "user", "content": "¿Qué cenamos hoy?"},
