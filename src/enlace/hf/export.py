@@ -56,6 +56,8 @@ class TokenizerBundle:
 
 def architecture(model_cfg) -> str:
     hf = to_hf_config(model_cfg)
+    if hf["model_type"] == "gemma3_text":
+        return f"{hf['architectures'][0]} (Gemma 3: sandwich norms, GeGLU, QK-norm, local/global attention)"
     if model_cfg.qk_norm:
         return f"{hf['architectures'][0]} (qk_norm on: transformers' Qwen3 has the per-head q/k RMSNorm)"
     return f"{hf['architectures'][0]} (qk_norm off)"
@@ -224,6 +226,10 @@ def export_merged(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
     bundle = folder_bundle(base)
     if (base / "tokenizer.model").exists():
         bundle.extra_files.append(base / "tokenizer.model")
+    from .gguf_import import LICENCE_FILES
+
+    # Weights derived from a licensed base (Gemma's terms) carry its licence files with them.
+    bundle.extra_files += [base / name for name in LICENCE_FILES if (base / name).exists()]
     write_folder(model, bundle, out)
     return {
         "folder": str(out),
