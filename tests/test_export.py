@@ -239,7 +239,14 @@ def test_finetune_on_export_then_peft_and_merged_export(in_project, tmp_path, ca
     val = write_jsonl(tmp_path / "val.jsonl", chat_rows(10)[8:])
     args = ["finetune", "--model", str(folder), "--data", str(train), "--val-data", str(val), "--steps", "3"]
     args += ["--batch", "2", "--max-len", "64", "--rank", "4", "--out", str(tmp_path / "ft"), "--quiet"]
-    args += ["--set", "finetune.warmup=1", "--set", "finetune.lr=0.05", "--targets", "q_proj,v_proj,up_proj"]
+    args += [
+        "--set",
+        "finetune.schedule.warmup_steps=1",
+        "--set",
+        "finetune.optimizer.lr=0.05",
+        "--targets",
+        "q_proj,v_proj,up_proj",
+    ]
     assert main(args) == 0
     adapter = tmp_path / "ft" / "adapter"
     ids = torch.tensor([ours_ids(in_project)])

@@ -8,6 +8,8 @@ from .base import Strict
 
 
 class OptimizerConfig(Strict):
+    """AdamW."""
+
     lr: StrictFloat = Field(default=3e-4, gt=0)
     betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
     eps: StrictFloat = Field(default=1e-8, gt=0)
@@ -21,7 +23,8 @@ class ScheduleConfig(Strict):
     """Warmup-stable-decay: linear warmup, a flat plateau, then a decay to final_lr_frac * lr."""
 
     warmup_steps: StrictInt = Field(default=100, ge=0)
-    decay_steps: StrictInt = Field(default=200, ge=0)
+    # null: the decay takes every step after the warmup (no plateau), whatever max_steps is.
+    decay_steps: StrictInt | None = Field(default=200, ge=0)
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
     final_lr_frac: StrictFloat = Field(default=0.0, ge=0, le=1)
 

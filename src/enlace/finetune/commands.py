@@ -9,14 +9,14 @@ from pathlib import Path
 DEFAULT_LAYER = "smollm2-es"
 # `enlace finetune` flags -> finetune.<key>; each is a shorthand for --set finetune.<key>=VALUE.
 FLAGS = {
-    "steps": "steps",
-    "lr": "lr",
+    "steps": "max_steps",
+    "lr": "optimizer.lr",
     "rank": "rank",
     "alpha": "alpha",
     "targets": "targets",
     "max_len": "max_len",
     "examples": "max_examples",
-    "batch": "micro_batch",
+    "batch": "micro_batch_size",
     "out": "out",
     "model": "base_model",
     "data": "train_data",
@@ -79,17 +79,12 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from ..config import save_resolved
     from ..hf.load import check_model_folder
-    from ..train.lock import run_dir_lock
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
     check_model_folder(Path(cfg.finetune.base_model))
-    out = Path(cfg.finetune.out)
-    with run_dir_lock(out):  # before anything is written into the run folder
-        save_resolved(cfg, out / "config.json")
-        result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
+    result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet, resolved=cfg)
     print(json.dumps(result.final))
     return result.exit_code
 
