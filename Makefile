@@ -31,11 +31,13 @@ run: $(STAMP) system-deps
 	$(BIN)/enlace report
 
 test: $(STAMP) system-deps
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

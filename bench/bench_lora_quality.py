@@ -18,10 +18,10 @@ from bench.common import format_row, goal_row, write_result
 from enlace.config import load_config
 from enlace.finetune.data import load_dataset
 from enlace.finetune.evaluate import heldout_loss
-from enlace.finetune.lora import load_adapter
 from enlace.finetune.train import finetune
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.lora import load_adapter
 
 PROFILES = {"fp32": "cpu", "bf16": "cpu-bf16"}
 

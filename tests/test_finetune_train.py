@@ -12,12 +12,13 @@ import torch
 from helpers import dolly_rows, make_folder, write_jsonl
 from safetensors.torch import load_file
 
-from enlace.config.finetune import FinetuneConfig, FinetuneGeneration
+from enlace.config.extra import GenerationConfig
+from enlace.config.finetune import FinetuneConfig
 from enlace.config.hardware import HardwareConfig
 from enlace.finetune.chat import chat_repl
 from enlace.finetune.evaluate import finetune_eval
 from enlace.finetune.train import finetune
-from enlace.hf.load import load_for_generation
+from enlace.load import load_for_generation
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = HardwareConfig(name="cpu", device="cpu")
@@ -38,7 +39,7 @@ def cfg_for(setup, out, **kw) -> FinetuneConfig:
         name="t", base_model=str(folder), train_data=str(train), val_data=str(val), max_steps=4,
         micro_batch_size=2, grad_accum_steps=2, optimizer={"lr": 5e-3}, schedule={"warmup_steps": 1},
         max_len=128, rank=4, alpha=8, dropout=0.1, targets=["q_proj", "v_proj"], out=str(out),
-        checkpoint={"every": 2}, eval_prompts=["¿Qué hacemos hoy?"], generation=FinetuneGeneration(max_new_tokens=6),
+        checkpoint={"every": 2}, eval_prompts=["¿Qué hacemos hoy?"], generation=GenerationConfig(max_new_tokens=6),
     )  # fmt: skip
     return FinetuneConfig(**{**base, **kw})
 

@@ -1,25 +1,13 @@
 """Finetune layer: LoRA on a Hugging Face base model with instruction data."""
 
-from typing import Literal
-
 from pydantic import Field, StrictFloat, StrictInt, field_validator
 
+from ..choices import DecayShape, InstructFormat
 from .base import Strict
+from .extra import GenerationConfig
 from .train import CheckpointConfig, OptimizerConfig, ScheduleConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-class FinetuneGeneration(Strict):
-    # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its
-    # checks measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
-    max_new_tokens: StrictInt = Field(default=96, gt=0)
-    temperature: StrictFloat = Field(default=0.7, ge=0)  # 0: greedy
-    top_k: StrictInt = Field(default=0, ge=0)
-    top_p: StrictFloat = Field(default=0.9, gt=0, le=1)
-    repetition_penalty: StrictFloat = Field(default=1.1, ge=1)  # 1: off
-    no_repeat_ngram: StrictInt = Field(default=4, ge=0)  # 0: off
-    seed: StrictInt = 0
 
 
 class FinetuneOptimizer(OptimizerConfig):
@@ -35,7 +23,7 @@ class FinetuneSchedule(ScheduleConfig):
 
     warmup_steps: StrictInt = Field(default=10, ge=0)
     decay_steps: StrictInt | None = Field(default=None, ge=0)
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "cosine"
+    decay_shape: DecayShape = "cosine"
     final_lr_frac: StrictFloat = Field(default=0.1, ge=0, le=1)
 
 
@@ -50,7 +38,7 @@ class FinetuneConfig(Strict):
     base_model: str = "models/smollm2-135m-instruct"  # a Hugging Face folder (enlace import-gguf makes one)
     train_data: str = "assets/instruct/es_familia_train.jsonl"
     val_data: str = "assets/instruct/es_familia_val.jsonl"
-    format: Literal["dolly", "chat"] = "dolly"
+    format: InstructFormat = "dolly"
     system_prompt: str | None = None  # null: the chat template's own default system message
     max_len: StrictInt = Field(default=320, gt=1)
     max_examples: StrictInt = Field(default=0, ge=0)  # 0: all
@@ -74,7 +62,11 @@ class FinetuneConfig(Strict):
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",
         "Dame tres consejos para que los niños se acuesten temprano.",
     ]
-    generation: FinetuneGeneration = FinetuneGeneration()
+    # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its checks
+    # measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
+    generation: GenerationConfig = GenerationConfig(
+        max_new_tokens=96, temperature=0.7, top_k=0, top_p=0.9, repetition_penalty=1.1, no_repeat_ngram=4
+    )
 
     @field_validator("targets", mode="before")
     @classmethod

@@ -149,6 +149,7 @@ def build_corpus(
     `workers`/`tasks` override data.executor's (tests use them). Intermediate files live under
     raw/.work: per input file a cleaned JSONL, reused when neither the file nor the cleaning changed.
     """
+    # Long: the corpus stage in its order (fetch, clean per file, dedup, split, manifest); each part hands its state to the next.
     t0 = time.perf_counter()
     names = [s.name for s in data.sources]
     if len(set(names)) != len(names):

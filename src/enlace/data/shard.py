@@ -277,6 +277,7 @@ def build_shards(
     unit_docs: int = UNIT_DOCS,
 ) -> dict[str, Any]:
     """Encode corpus/{train,val}.jsonl into out/{split}-NNNNN.bin and out/manifest.json."""
+    # Long: the shard stage in its order, one place that shows what is reused and what is rewritten.
     out = Path(out)
     _restore_interrupted_swap(out)
     model_file = tokenizer / "tokenizer.model"

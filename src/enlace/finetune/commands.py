@@ -79,7 +79,7 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from ..hf.load import check_model_folder
+    from ..load import check_model_folder
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
@@ -90,7 +90,7 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _finetune_eval(args: argparse.Namespace) -> int:
-    from ..hf.load import check_model_folder
+    from ..load import check_model_folder
     from .evaluate import finetune_eval
 
     cfg = load_finetune_cfg(args)
@@ -108,7 +108,7 @@ def _chat(args: argparse.Namespace) -> int:
     import sys
 
     from ..generate import check_sampling, decode_weights
-    from ..hf.load import load_for_generation
+    from ..load import load_for_generation
     from .chat import chat_repl
 
     sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
@@ -127,6 +127,9 @@ CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    # Long: the flat argparse declarations of four commands, in the order `enlace --help` lists them.
+    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+
     # Paths, not the importer: `enlace --help` must not import gguf and torch.
     from ..paths import PYPI_CACHE as DEFAULT_CACHE
     from ..paths import SMOLLM2_DIR as DEFAULT_OUT
@@ -198,7 +201,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument(
         "--weights",
         default="auto",
-        choices=("auto", "fp32", "bf16", "int8"),
+        choices=values(DecodeWeights),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
     )
     p.set_defaults(handler=_chat)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import lora as lora_module
 from .. import model as model_module
 from ..config import Config, save_resolved
 from ..config.finetune import FinetuneConfig
@@ -25,6 +26,7 @@ from ..hf import folder as hf_module
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import sha256_file
+from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from ..train import dist as D
 from ..train import loop as loop_module
 from ..train import schedule as schedule_module
@@ -34,10 +36,8 @@ from ..train.loop import NonFiniteError, Setup
 from ..train.metrics import read_jsonl
 from ..train.step import StepOutput, TrainState
 from . import data as data_module
-from . import lora as lora_module
 from . import loss as loss_module
 from .data import batch_indices, collate, load_dataset
-from .lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
 
 # Settings that provably do not change the adapter: where it goes, how often it is logged and saved, what

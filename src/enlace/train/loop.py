@@ -267,6 +267,7 @@ def _run(
         dynamic_ncols=True,
         desc=task.section,
     )
+    eval_every = getattr(cfg, "eval_every", 0)  # periodic evaluation (pretraining); 0 or absent: at the end
     last_time, last_step = time.perf_counter(), state.step
     try:
         with StopFlag() as stop:
@@ -287,7 +288,6 @@ def _run(
                 bar.update(1)
                 bar.set_postfix(loss=f"{out.loss:.4f}", lr=f"{out.lr:.2e}", refresh=False)
 
-                eval_every = getattr(cfg, "eval_every", 0)
                 if info.is_main and eval_every and step % eval_every == 0 and step != cfg.max_steps:
                     v = task.validate(final=False)
                     if v is not None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from ..choices import DecayShape, values
 from ..config.train import OptimizerConfig, ScheduleConfig
 
-SHAPES = ("linear", "cosine", "1-sqrt")
+SHAPES = values(DecayShape)
 
 
 def decay_factor(progress: float, shape: str) -> float:

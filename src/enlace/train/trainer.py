@@ -19,8 +19,8 @@ from .. import model as model_module
 from ..config import save_resolved
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
-from ..eval.score import evaluate, precision
 from ..model import Llama
+from ..scoring.score import evaluate, precision
 from . import dist as D
 from . import loop as loop_module
 from . import optim as optim_module
