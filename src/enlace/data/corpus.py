@@ -20,8 +20,7 @@ from ..errors import DataError
 from .clean import CleanStats
 from .engine import Stage, run_stages
 from .extract import list_files
-from .sources import Lock, Source, fetch_source
-from .steps import (
+from .pipeline_steps import (
     ExactDedup,
     ExtractClean,
     Finalize,
@@ -33,6 +32,7 @@ from .steps import (
     item_key,
     raise_recorded_errors,
 )
+from .sources import Lock, Source, fetch_source
 from .util import log, progress
 
 

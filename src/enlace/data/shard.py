@@ -32,7 +32,7 @@ from ..config.data import ExecutorConfig
 from ..errors import DataError
 from ..io import atomic_write_text, canonical_json, fsync_dir, sha256_file
 from .engine import Stage, run_stages
-from .steps import raise_recorded_errors, record_error
+from .pipeline_steps import raise_recorded_errors, record_error
 from .tokenize import EOS_ID
 from .util import log, progress
 
