@@ -38,11 +38,13 @@ run: $(STAMP) system-deps
 	$(BIN)/enlace report
 
 test: $(STAMP) system-deps browser-deps
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench tools
 	$(BIN)/ruff format --check src tests bench tools
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 
 # The reference pages are generated from the config models and the CLI parser, then the site is built;
 # --strict turns a broken link or anchor, or a page missing from mkdocs.yml's nav, into an error.

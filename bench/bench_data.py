@@ -99,9 +99,9 @@ def child(work: Path, endpoint: str, tasks: int, text_bytes: int) -> None:
     from enlace.config.data import DataConfig, TokenizerConfig
     from enlace.data.corpus import corpus_stages, work_items
     from enlace.data.engine import run_stages
+    from enlace.data.pipeline_steps import raise_recorded_errors
     from enlace.data.shard import build_shards
     from enlace.data.sources import Lock, fetch_source
-    from enlace.data.steps import raise_recorded_errors
     from enlace.data.tokenize import build_tokenizer
     from enlace.io import sha256_file
 

@@ -24,7 +24,7 @@ import torch
 from bench.common import alternate, format_row, goal_row, summary, write_result
 from enlace.generate import decode_weights, generate
 from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
-from enlace.hf.load import load_for_generation
+from enlace.load import load_for_generation
 
 NEW = 64
 PROMPT = "Escribe una receta sencilla de tortilla de patatas para una cena en familia."

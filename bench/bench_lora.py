@@ -21,11 +21,11 @@ import torch
 from bench.common import alternate, format_row, goal_row, line, summary, write_result
 from enlace.config.hardware import HardwareConfig
 from enlace.finetune.data import build_dataset, dolly_messages, read_conversations
-from enlace.finetune.lora import cast_frozen_base, inject_lora, lora_parameters
 from enlace.finetune.loss import assistant_loss_sum
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.lora import cast_frozen_base, inject_lora, lora_parameters
 from enlace.runtime import autocast, keep_freed_memory
 
 SEQS = (128, 256)

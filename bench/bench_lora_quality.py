@@ -18,10 +18,10 @@ from bench.common import format_row, goal_row, write_result
 from enlace.config import load_config
 from enlace.finetune.data import load_dataset
 from enlace.finetune.evaluate import heldout_loss
-from enlace.finetune.lora import load_adapter
 from enlace.finetune.train import finetune
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.lora import load_adapter
 
 PROFILES = {"fp32": "cpu", "bf16": "cpu-bf16"}
 
@@ -34,8 +34,8 @@ def main() -> int:
             overrides = [f"finetune.out={tmp}/{precision}"]
             if steps:
                 base = load_config("params.yaml", layers=("finetune",)).finetune
-                warm = max(1, round(base.warmup * int(steps) / base.steps))
-                overrides += [f"finetune.steps={steps}", f"finetune.warmup={warm}"]
+                warm = max(1, round(base.schedule.warmup_steps * int(steps) / base.max_steps))
+                overrides += [f"finetune.max_steps={steps}", f"finetune.schedule.warmup_steps={warm}"]
             cfg = load_config(
                 "params.yaml",
                 layers=("hardware", "finetune"),
@@ -52,10 +52,11 @@ def main() -> int:
             model = load_hf_folder(Path(ft.base_model))
             load_adapter(model, Path(ft.out) / "adapter", ft.base_model)
             loss = heldout_loss(model, val, tok.pad_id)
-            results[precision] = {"profile": profile, "steps": ft.steps, "train_loss": run.final["loss"],
+            results[precision] = {"profile": profile, "steps": ft.max_steps, "train_loss": run.final["loss"],
                                   "heldout_loss": loss, "seconds": time.perf_counter() - t0}  # fmt: skip
             print(
-                f"{precision} ({profile}): {ft.steps} steps, held-out assistant loss {loss:.4f}", flush=True
+                f"{precision} ({profile}): {ft.max_steps} steps, held-out assistant loss {loss:.4f}",
+                flush=True,
             )
     gap = results["bf16"]["heldout_loss"] / results["fp32"]["heldout_loss"] - 1
     row = goal_row("LoRA held-out assistant loss, bf16 base vs fp32 (|gap|)", "enlace bf16 base", "enlace fp32",

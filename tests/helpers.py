@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from enlace.config.resolve import LAYERS, Config, set_dotted
+from enlace.config.resolve import Config, build_config, set_dotted
 from enlace.errors import DataError, EnlaceError
 
 WORDS = (
@@ -75,8 +75,8 @@ class SyntheticLoader:
         return self._rows(offsets[start : start + self.micro])
 
     def val_windows(self, n: int):
-        from enlace.eval.score import spread_windows
-        from enlace.eval.token_bytes import TokenBytes
+        from enlace.scoring.score import spread_windows
+        from enlace.scoring.token_bytes import TokenBytes
 
         return spread_windows(self.data.numpy(), self.seq_len, n, TokenBytes.raw_bytes())
 
@@ -134,7 +134,7 @@ def tiny_dict(overrides: dict[str, Any] | None = None) -> dict[str, dict[str, An
 
 
 def config_from_dict(d: dict[str, dict[str, Any]]) -> Config:
-    return Config(layers={k: LAYERS[k].model_validate(v) for k, v in d.items()}, provenance={}, files={})
+    return build_config(d)
 
 
 def tiny_config(overrides: dict[str, Any] | None = None) -> Config:

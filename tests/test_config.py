@@ -298,7 +298,7 @@ def test_finetune_flag_errors_name_the_flag(capsys):
         capsys, ["finetune", "--max-len", "1"], "--max-len: finetune.max_len", "greater than 1"
     )
     check_one_line_error(capsys, ["finetune", "--targets", "wq"], "--targets: finetune.targets", "wq")
-    check_one_line_error(capsys, ["finetune", "--steps", "0"], "--steps: finetune.steps")
+    check_one_line_error(capsys, ["finetune", "--steps", "0"], "--steps: finetune.max_steps")
 
 
 def test_a_stage_section_selects_layers_and_sets_values():

@@ -63,7 +63,7 @@ def test_ray_executors_chain_our_stages(tmp_path):
 
     from enlace.data.corpus import corpus_stages, work_items
     from enlace.data.engine import cluster_executors
-    from enlace.data.steps import ExtractClean, Finalize, MinhashFiles
+    from enlace.data.pipeline_steps import ExtractClean, Finalize, MinhashFiles
 
     src = make_text_source(tmp_path / "src", 4)
     data = data_config(

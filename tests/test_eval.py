@@ -21,9 +21,9 @@ from enlace.data.loaders import ByteLoader, ShardLoader
 from enlace.data.shard import build_shards
 from enlace.data.tokenize import build_tokenizer
 from enlace.eval.evaluate import run_eval, score_model_dir
-from enlace.eval.score import evaluate, sliding_windows, spread_starts
-from enlace.eval.token_bytes import TokenBytes
 from enlace.model import IGNORE_INDEX, Llama
+from enlace.scoring.score import evaluate, sliding_windows, spread_starts
+from enlace.scoring.token_bytes import TokenBytes
 from enlace.train.trainer import train
 
 PROSE = "Él vio 🙂 a su abuela.\nLa niña comió pan con aceite, ¿verdad? Sí, y después durmió la siesta."

@@ -16,9 +16,9 @@ from export_helpers import TINY, chat_rows, make_project, write_jsonl, write_tie
 from enlace.cli import main
 from enlace.config.model import ModelConfig
 from enlace.eval.evaluate import load_trained_model
+from enlace.export import sentencepiece_bundle, write_folder
 from enlace.generate import generate
 from enlace.hf import sp_convert
-from enlace.hf.export import sentencepiece_bundle, write_folder
 from enlace.hf.folder import load_hf_folder, read_state
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import import_gguf
@@ -239,14 +239,21 @@ def test_finetune_on_export_then_peft_and_merged_export(in_project, tmp_path, ca
     val = write_jsonl(tmp_path / "val.jsonl", chat_rows(10)[8:])
     args = ["finetune", "--model", str(folder), "--data", str(train), "--val-data", str(val), "--steps", "3"]
     args += ["--batch", "2", "--max-len", "64", "--rank", "4", "--out", str(tmp_path / "ft"), "--quiet"]
-    args += ["--set", "finetune.warmup=1", "--set", "finetune.lr=0.05", "--targets", "q_proj,v_proj,up_proj"]
+    args += [
+        "--set",
+        "finetune.schedule.warmup_steps=1",
+        "--set",
+        "finetune.optimizer.lr=0.05",
+        "--targets",
+        "q_proj,v_proj,up_proj",
+    ]
     assert main(args) == 0
     adapter = tmp_path / "ft" / "adapter"
     ids = torch.tensor([ours_ids(in_project)])
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     emb = base.model.embed_tokens.weight.detach().clone()
     peft = PeftModel.from_pretrained(base, adapter).eval()
-    from enlace.hf.load import load_for_generation
+    from enlace.load import load_for_generation
 
     mine, _ = load_for_generation(folder, adapter)
     with torch.no_grad():
@@ -285,7 +292,7 @@ def test_export_refusals(in_project, tmp_path, capsys):
 
 
 def test_benchmark_items_are_well_formed():
-    from enlace.hf.bench_es import SUBTASKS
+    from enlace.eval.bench_es import SUBTASKS
 
     root = Path(__file__).resolve().parents[1] / "assets" / "bench_es"
     pairs = [
@@ -303,7 +310,7 @@ def test_bench_es_runs_offline_with_no_network(in_project, tmp_path, monkeypatch
     """Any connection to a non-loopback address fails the run; it must not need one."""
     import socket
 
-    from enlace.hf.bench_es import OFFLINE
+    from enlace.eval.bench_es import OFFLINE
 
     attempts = []
     real_connect = socket.socket.connect
@@ -362,7 +369,7 @@ def test_cli_refusals_name_the_bad_path(in_project, tmp_path, capsys):
 def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from enlace.finetune.lora import ADAPTER_CONFIG, AdapterError, inject_lora, load_adapter, save_adapter
+    from enlace.lora import ADAPTER_CONFIG, AdapterError, inject_lora, load_adapter, save_adapter
 
     folder = in_project / "runs/export/hf"
     model = load_hf_folder(folder)
@@ -395,7 +402,7 @@ def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    from enlace.finetune.lora import inject_lora, save_adapter
+    from enlace.lora import inject_lora, save_adapter
 
     base = make_folder(tmp_path / "base")
     model = load_hf_folder(base)

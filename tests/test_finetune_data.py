@@ -17,10 +17,10 @@ from enlace.finetune.data import (
     encode_conversation,
     load_dataset,
 )
-from enlace.finetune.lora import inject_lora, lora_parameters
 from enlace.finetune.loss import assistant_loss_sum
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.lora import inject_lora, lora_parameters
 from enlace.model import IGNORE_INDEX
 
 

@@ -10,7 +10,8 @@ from helpers import make_folder
 from safetensors.torch import load_file, save_file
 
 from enlace.errors import EnlaceError
-from enlace.finetune.lora import (
+from enlace.hf.folder import load_hf_folder
+from enlace.lora import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     LoraLinear,
@@ -21,7 +22,6 @@ from enlace.finetune.lora import (
     save_adapter,
     set_merged,
 )
-from enlace.hf.folder import load_hf_folder
 
 IDS = torch.tensor([list(range(3, 60))])
 

@@ -18,7 +18,7 @@ from enlace.finetune.chat import CHAT_SAMPLING, chat_repl
 from enlace.finetune.data import read_conversations
 from enlace.finetune.evaluate import answer_checks, distinct_2, is_spanish, loops
 from enlace.generate import RepeatGuard, generate
-from enlace.hf.load import load_for_generation
+from enlace.load import load_for_generation
 from enlace.model import Llama
 
 ROOT = Path(__file__).resolve().parents[1]

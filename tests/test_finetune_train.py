@@ -12,12 +12,13 @@ import torch
 from helpers import dolly_rows, make_folder, write_jsonl
 from safetensors.torch import load_file
 
-from enlace.config.finetune import FinetuneConfig, FinetuneGeneration
+from enlace.config.extra import GenerationConfig
+from enlace.config.finetune import FinetuneConfig
 from enlace.config.hardware import HardwareConfig
 from enlace.finetune.chat import chat_repl
 from enlace.finetune.evaluate import finetune_eval
 from enlace.finetune.train import finetune
-from enlace.hf.load import load_for_generation
+from enlace.load import load_for_generation
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = HardwareConfig(name="cpu", device="cpu")
@@ -35,10 +36,10 @@ def setup(tmp_path_factory):
 def cfg_for(setup, out, **kw) -> FinetuneConfig:
     folder, train, val = setup
     base = dict(
-        name="t", base_model=str(folder), train_data=str(train), val_data=str(val), steps=4, micro_batch=2,
-        grad_accum=2, lr=5e-3, warmup=1, max_len=128, rank=4, alpha=8, dropout=0.1, targets=["q_proj", "v_proj"],
-        out=str(out), checkpoint_every=2, eval_prompts=["¿Qué hacemos hoy?"],
-        generation=FinetuneGeneration(max_new_tokens=6),
+        name="t", base_model=str(folder), train_data=str(train), val_data=str(val), max_steps=4,
+        micro_batch_size=2, grad_accum_steps=2, optimizer={"lr": 5e-3}, schedule={"warmup_steps": 1},
+        max_len=128, rank=4, alpha=8, dropout=0.1, targets=["q_proj", "v_proj"], out=str(out),
+        checkpoint={"every": 2}, eval_prompts=["¿Qué hacemos hoy?"], generation=GenerationConfig(max_new_tokens=6),
     )  # fmt: skip
     return FinetuneConfig(**{**base, **kw})
 
@@ -81,9 +82,9 @@ def test_changed_settings_or_more_steps_give_the_fresh_run(setup, tmp_path, caps
     finetune(cfg_for(setup, tmp_path / "fresh8", rank=8), HW, progress=False)
     assert same(adapter(tmp_path / "b"), adapter(tmp_path / "fresh8"))
     # More steps: resumes from the checkpoint before the cosine decay (after warmup), ends like a straight run.
-    r = finetune(cfg_for(setup, tmp_path / "b", rank=8, steps=6), HW, progress=False)
+    r = finetune(cfg_for(setup, tmp_path / "b", rank=8, max_steps=6), HW, progress=False)
     assert "resumed from" in capsys.readouterr().out and r.final["step"] == 6
-    finetune(cfg_for(setup, tmp_path / "fresh6", rank=8, steps=6), HW, progress=False)
+    finetune(cfg_for(setup, tmp_path / "fresh6", rank=8, max_steps=6), HW, progress=False)
     assert same(adapter(tmp_path / "b"), adapter(tmp_path / "fresh6"))
 
 
@@ -91,8 +92,8 @@ def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
     cfg = cfg_for(
         setup,
         tmp_path / "run",
-        steps=25,
-        lr=1e-2,
+        max_steps=25,
+        optimizer={"lr": 1e-2},
         dropout=0.0,
         targets=["q_proj", "v_proj", "o_proj", "up_proj"],
     )
@@ -118,7 +119,7 @@ def test_cli_flags_map_onto_finetune_config():
          "--out", "runs/x", "--model", "models/m", "--data", "d/train.jsonl", "--set", "finetune.seed=5"]
     )  # fmt: skip
     f = load_finetune_cfg(args).finetune
-    assert (f.steps, f.lr, f.rank, f.alpha, f.max_len, f.max_examples, f.micro_batch) == (
+    assert (f.max_steps, f.optimizer.lr, f.rank, f.alpha, f.max_len, f.max_examples, f.micro_batch_size) == (
         7,
         0.002,
         4,
@@ -142,3 +143,78 @@ def test_chat_streams_replies_until_exit(setup):
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]
     lines = out.getvalue().split("\n")
     assert lines[0].strip() == msgs[1]["content"] and lines[1].strip() == msgs[3]["content"]
+
+
+# ---- the loop's safeties, for fine-tuning (pretraining's are in test_train_resume/faults/signals) --------
+
+
+def checkpoint_files(out: Path) -> dict[str, dict[str, str]]:
+    from helpers import checkpoint_digests
+
+    return {
+        p.name: {k: v for k, v in checkpoint_digests(p).items() if k.endswith(".safetensors")}
+        for p in sorted((out / "checkpoints").iterdir())
+    }
+
+
+def test_stopped_run_resumes_bit_exact(setup, tmp_path):
+    """Stopped at step 3 (between checkpoints, as an interrupted run saves), then resumed: every checkpoint
+    and the adapter are the bytes of a straight run."""
+    finetune(cfg_for(setup, tmp_path / "a"), HW, progress=False)
+    half = finetune(cfg_for(setup, tmp_path / "b"), HW, progress=False, stop_after=3)
+    assert half.final["step"] == 3 and not (tmp_path / "b" / "adapter").exists()
+    finetune(cfg_for(setup, tmp_path / "b"), HW, progress=False)
+    a, b = checkpoint_files(tmp_path / "a"), checkpoint_files(tmp_path / "b")
+    assert a["step-00000004"] == b["step-00000004"]
+    assert same(adapter(tmp_path / "a"), adapter(tmp_path / "b"))
+
+
+def test_nonfinite_steps_are_skipped_then_the_run_stops(setup, tmp_path, monkeypatch):
+    from enlace.finetune import train as ft_train
+    from enlace.train.loop import NonFiniteError
+
+    real, calls = ft_train.sft_forward, {"n": 0}
+
+    def nan_on(steps):
+        def forward(model, batch):
+            loss, parts = real(model, batch)
+            step = calls["n"] // 2  # grad_accum_steps 2
+            calls["n"] += 1
+            return (loss * float("nan") if step in steps else loss), parts
+
+        return forward
+
+    monkeypatch.setattr(ft_train, "sft_forward", nan_on({1}))
+    r = finetune(cfg_for(setup, tmp_path / "skip"), HW, progress=False)
+    losses = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert r.final["step"] == 4 and r.final["skipped"] == 1 and losses[1]["loss"] != losses[1]["loss"]
+    assert all(torch.isfinite(t).all() for t in adapter(tmp_path / "skip").values())
+
+    calls["n"] = 0
+    monkeypatch.setattr(ft_train, "sft_forward", nan_on({1, 2, 3}))
+    cfg = cfg_for(setup, tmp_path / "stop", max_nonfinite_in_row=2)
+    with pytest.raises(
+        NonFiniteError, match="2 non-finite .* in a row .*finetune.max_nonfinite_in_row=2"
+    ) as e:
+        finetune(cfg, HW, progress=False)
+    assert e.value.exit_code == 2 and "step-00000002" in str(e.value)
+    assert not (tmp_path / "stop" / "adapter").exists()
+
+
+def test_busy_run_folder_is_refused_before_anything_is_written(setup, tmp_path):
+    import fcntl
+    import os
+
+    from enlace.train.lock import RunDirBusy, lock_path
+
+    out = tmp_path / "busy"
+    fd = os.open(lock_path(out), os.O_RDWR | os.O_CREAT, 0o644)  # another holder (another descriptor)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(RunDirBusy, match="another enlace process"):
+            finetune(cfg_for(setup, out), HW, progress=False)
+        assert not out.exists() or list(out.iterdir()) == []
+    finally:
+        os.close(fd)
+    r = finetune(cfg_for(setup, out), HW, progress=False)  # the holder gone, the run goes ahead
+    assert r.final["step"] == 4 and (out / "adapter").exists()

@@ -5,8 +5,8 @@ import torch
 
 from enlace.config.hardware import HardwareConfig
 from enlace.config.model import ModelConfig
-from enlace.finetune.lora import cast_frozen_base, inject_lora, lora_parameters
 from enlace.finetune.loss import assistant_loss_sum
+from enlace.lora import cast_frozen_base, inject_lora, lora_parameters
 from enlace.model import Llama
 from enlace.runtime import autocast
 

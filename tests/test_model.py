@@ -14,9 +14,25 @@ from enlace.model import (
     apply_rope,
     closed_form_num_parameters,
     fused_lm_loss,
-    lm_loss,
     rope_cos_sin,
 )
+
+
+def lm_loss(
+    logits: torch.Tensor, targets: torch.Tensor, z_loss_weight: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference loss over full logits (the model computes it fused and chunked: model.fused_lm_loss):
+    cross-entropy over positions whose target is not IGNORE_INDEX, plus z-loss (log Z squared, PaLM).
+    """
+    logits = logits.float().view(-1, logits.size(-1))
+    targets = targets.reshape(-1)
+    keep = (targets != IGNORE_INDEX).to(logits.dtype)
+    count = keep.sum().clamp_min(1.0)
+    log_z = torch.logsumexp(logits, dim=-1)
+    target_logit = logits.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    ce = ((log_z - target_logit) * keep).sum() / count
+    z = (log_z.pow(2) * keep).sum() / count
+    return ce + z_loss_weight * z, ce, z
 
 
 def tiny(**kw) -> ModelConfig:

@@ -189,9 +189,9 @@ def test_sigterm_during_finetune_saves_and_says_so(tmp_path):
     code = (
         "import sys; from enlace.config.finetune import FinetuneConfig; "
         "from enlace.config.hardware import HardwareConfig; from enlace.finetune.train import finetune\n"
-        f"cfg = FinetuneConfig(name='t', base_model={str(base)!r}, train_data={str(data)!r}, steps=400, "
-        f"micro_batch=2, warmup=1, max_len=128, rank=4, targets=['q_proj'], out={str(out)!r}, "
-        "checkpoint_every=1000)\n"
+        f"cfg = FinetuneConfig(name='t', base_model={str(base)!r}, train_data={str(data)!r}, max_steps=400, "
+        f"micro_batch_size=2, schedule={{'warmup_steps': 1}}, max_len=128, rank=4, targets=['q_proj'], "
+        f"out={str(out)!r}, checkpoint={{'every': 1000}})\n"
         "r = finetune(cfg, HardwareConfig(name='cpu', device='cpu'), progress=False)\n"
         "sys.exit(r.exit_code)"
     )

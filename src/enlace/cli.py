@@ -21,7 +21,6 @@ COMMAND_MODULES = [
     "enlace.finetune.commands",
     "enlace.serve.commands",
     "enlace.hf.commands",
-    "enlace.estimate",
 ]
 
 
@@ -73,13 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     common = common_parser()
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name == name:
-                continue  # an area not built yet
-            raise
-        module.register(sub, common)
+        importlib.import_module(name).register(sub, common)
     return parser
 
 

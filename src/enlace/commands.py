@@ -1,4 +1,4 @@
-"""General commands: config show/check and hardware check."""
+"""General commands: config show/check, hardware check and the memory estimate."""
 
 from __future__ import annotations
 
@@ -39,6 +39,54 @@ def _hardware_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _estimate(args: argparse.Namespace) -> int:
+    from .cli import load_cfg
+    from .estimate import (
+        estimate_training_memory,
+        format_estimate,
+        largest_fitting_micro_batch,
+        suggest_geometry,
+    )
+
+    cfg = load_cfg(args, layers=("hardware", "model", "train"), stage=args.stage)
+    model, hw, train = cfg.layers["model"], cfg.layers["hardware"], cfg.layers["train"]
+    mb = args.micro_batch or train.micro_batch_size
+    est = estimate_training_memory(model, hw, mb, args.seq_len)
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(format_estimate(est))
+        if not est.fits:
+            fitting = largest_fitting_micro_batch(model, hw, args.seq_len)
+            geometry = suggest_geometry(fitting, train.global_batch_size, train.world_size)
+            if geometry:
+                print(
+                    f"largest micro_batch_size that fits: {fitting}; keep global_batch_size "
+                    f"{train.global_batch_size} with --set train.micro_batch_size={geometry[0]} "
+                    f"--set train.grad_accum_steps={geometry[1]}"
+                )
+            else:
+                print(f"largest micro_batch_size that fits: {fitting}")
+    return 0 if est.fits else 1
+
+
+def _register_estimate(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "estimate",
+        parents=[common],
+        help="predict the peak memory of a training step and whether it fits the hardware profile",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=None, help="micro-batch size (default: the train config's)"
+    )
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: model.seq_len)")
+    p.add_argument(
+        "--stage", default=None, help="apply a stage's layer selection from params.yaml (e.g. smoke)"
+    )
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(handler=_estimate)
+
+
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("config", help="show or validate the resolved config")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -55,3 +103,4 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     hsub = p.add_subparsers(dest="hardware_command", metavar="ACTION", required=True)
     c = hsub.add_parser("check", parents=[common], help="compare the profile with the real device")
     c.set_defaults(handler=_hardware_check)
+    _register_estimate(sub, common)

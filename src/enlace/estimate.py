@@ -22,8 +22,6 @@ safety fraction. torch.compile fuses ops and saves fewer activations, so for com
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -320,45 +318,3 @@ def format_estimate(est: MemoryEstimate) -> str:
     verdict = "fits" if est.fits else "does NOT fit"
     lines.append(f"verdict: {verdict} ({est.peak / est.budget:.0%} of usable memory)")
     return "\n".join(lines)
-
-
-def _estimate_command(args: argparse.Namespace) -> int:
-    from .cli import load_cfg
-
-    cfg = load_cfg(args, layers=("hardware", "model", "train"), stage=args.stage)
-    model, hw, train = cfg.layers["model"], cfg.layers["hardware"], cfg.layers["train"]
-    mb = args.micro_batch or train.micro_batch_size
-    est = estimate_training_memory(model, hw, mb, args.seq_len)
-    if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
-    else:
-        print(format_estimate(est))
-        if not est.fits:
-            fitting = largest_fitting_micro_batch(model, hw, args.seq_len)
-            geometry = suggest_geometry(fitting, train.global_batch_size, train.world_size)
-            if geometry:
-                print(
-                    f"largest micro_batch_size that fits: {fitting}; keep global_batch_size "
-                    f"{train.global_batch_size} with --set train.micro_batch_size={geometry[0]} "
-                    f"--set train.grad_accum_steps={geometry[1]}"
-                )
-            else:
-                print(f"largest micro_batch_size that fits: {fitting}")
-    return 0 if est.fits else 1
-
-
-def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "estimate",
-        parents=[common],
-        help="predict the peak memory of a training step and whether it fits the hardware profile",
-    )
-    p.add_argument(
-        "--micro-batch", type=int, default=None, help="micro-batch size (default: the train config's)"
-    )
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: model.seq_len)")
-    p.add_argument(
-        "--stage", default=None, help="apply a stage's layer selection from params.yaml (e.g. smoke)"
-    )
-    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.set_defaults(handler=_estimate_command)

@@ -39,8 +39,8 @@ from .config.hardware import HardwareConfig  # noqa: E402
 from .config.model import ModelConfig  # noqa: E402
 from .config.train import OptimizerConfig  # noqa: E402
 from .estimate import train_flops_per_token  # noqa: E402
-from .eval.score import Windows  # noqa: E402
 from .model import Llama, closed_form_num_parameters  # noqa: E402
+from .scoring.score import Windows  # noqa: E402
 from .train.optim import build_optimizer  # noqa: E402
 from .train.step import StepSettings, TrainState, make_scaler, train_step  # noqa: E402
 from .train.trainer import lm_forward  # noqa: E402
@@ -264,7 +264,7 @@ def resume_check(
 ) -> dict[str, Any]:
     """The trainer itself (enlace.train.trainer.train) on this device: a run stopped after k steps and resumed
     must write the same final checkpoint, byte for byte, as a run of 2k steps without a stop."""
-    from .config.resolve import LAYERS, Config
+    from .config.resolve import build_config
     from .train.checkpoint import list_checkpoints
     from .train.trainer import train
 
@@ -281,15 +281,13 @@ def resume_check(
         "optimizer": {"lr": 1e-3}, "schedule": {"warmup_steps": 1, "decay_steps": k},
         "checkpoint": {"every": k, "keep_last": 2}, "log_every": 1, "eval_batches": 1,
     }  # fmt: skip
-    run_cfg = Config(
-        layers={
+    run_cfg = build_config(
+        {
             "hardware": hw,
             "model": cfg.model_copy(update={"seq_len": seq_len}),
-            "train": LAYERS["train"].model_validate(t),
-            "data": LAYERS["data"].model_validate({"name": "random-tokens", "sources": []}),
-        },
-        provenance={},
-        files={},
+            "train": t,
+            "data": {"name": "random-tokens", "sources": []},
+        }
     )
     previous = torch.are_deterministic_algorithms_enabled()
     try:
@@ -342,6 +340,7 @@ def _profile(name: str) -> HardwareConfig:
 
 
 def run_checks(args: argparse.Namespace) -> dict[str, Any]:
+    # Long: the checks one after another, each guarded; reading it is reading the report's order.
     import yaml
 
     from .estimate import estimate_training_memory

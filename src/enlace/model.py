@@ -330,28 +330,6 @@ class Llama(nn.Module):
         return Output(None, loss, ce, z)
 
 
-def lm_loss(
-    logits: torch.Tensor, targets: torch.Tensor, z_loss_weight: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cross-entropy over positions whose target is not IGNORE_INDEX, plus z-loss.
-
-    z-loss (PaLM; Wortsman et al. 2023) penalises log Z = logsumexp(logits) squared, which keeps the
-    softmax normaliser near 1 and prevents the output-logit divergence seen in low-precision training.
-    Both terms share one logsumexp: cross-entropy is log Z minus the target's logit. This never builds
-    the full log-softmax or a masked copy of the logits, the two largest buffers of a step at vocab 32k,
-    and runs about twice as fast as F.cross_entropy plus a separate z-loss on CPU.
-    """
-    logits = logits.float().view(-1, logits.size(-1))
-    targets = targets.reshape(-1)
-    keep = (targets != IGNORE_INDEX).to(logits.dtype)
-    count = keep.sum().clamp_min(1.0)
-    log_z = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(-1, targets.clamp_min(0).unsqueeze(-1)).squeeze(-1)
-    ce = ((log_z - target_logit) * keep).sum() / count
-    z = (log_z.pow(2) * keep).sum() / count
-    return ce + z_loss_weight * z, ce, z
-
-
 # Logits computed at once by fused_lm_loss: 2^24 fp32 values (64 MiB) whatever the vocabulary. Smaller
 # chunks save little memory but add a pass over the head's gradient per chunk.
 LOSS_CHUNK_ELEMENTS = 1 << 24
@@ -419,7 +397,8 @@ def _head_chunks(
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Output head, cross-entropy and z-loss in chunks of rows, never materialising all logits.
 
-    Same value and gradient as lm_loss(h @ W.T, ...), but the [N, vocab] logits exist one chunk at a
+    Same value and gradient as cross-entropy plus z-loss over the full logits h @ W.T (tests/test_model.py's
+    reference), but the [N, vocab] logits exist one chunk at a
     time: at vocab 32k they are the largest buffers of a training step. d loss / d logits is
     grad_loss * keep/n * (softmax * (1 + 2 w log Z) - onehot(target)).
 

@@ -37,7 +37,7 @@ def check_model(cfg: Config) -> None:
 def check_train(cfg: Config) -> None:
     t = cfg.layers["train"]
     s = t.schedule
-    if s.warmup_steps + s.decay_steps > t.max_steps:
+    if s.decay_steps is not None and s.warmup_steps + s.decay_steps > t.max_steps:
         raise _fail(
             cfg,
             "train.schedule.decay_steps",

@@ -1,41 +1,45 @@
 """Finetune layer: LoRA on a Hugging Face base model with instruction data."""
 
-from typing import Literal
-
 from pydantic import Field, StrictFloat, StrictInt, field_validator
 
+from ..choices import DecayShape, InstructFormat
 from .base import Strict
+from .extra import GenerationConfig
+from .train import CheckpointConfig, OptimizerConfig, ScheduleConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class FinetuneGeneration(Strict):
-    # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its
-    # checks measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
-    max_new_tokens: StrictInt = Field(default=96, gt=0)
-    temperature: StrictFloat = Field(default=0.7, ge=0)  # 0: greedy
-    top_k: StrictInt = Field(default=0, ge=0)
-    top_p: StrictFloat = Field(default=0.9, gt=0, le=1)
-    repetition_penalty: StrictFloat = Field(default=1.1, ge=1)  # 1: off
-    no_repeat_ngram: StrictInt = Field(default=4, ge=0)  # 0: off
-    seed: StrictInt = 0
+class FinetuneOptimizer(OptimizerConfig):
+    """AdamW on the adapters: LoRA tolerates ~10x the full fine-tuning rate (B starts at zero)."""
+
+    lr: StrictFloat = Field(default=1e-3, gt=0)
+    betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.999)
+    weight_decay: StrictFloat = Field(default=0.0, ge=0)
+
+
+class FinetuneSchedule(ScheduleConfig):
+    """Linear warmup, then a cosine decay over every later step (decay_steps null: no plateau)."""
+
+    warmup_steps: StrictInt = Field(default=10, ge=0)
+    decay_steps: StrictInt | None = Field(default=None, ge=0)
+    decay_shape: DecayShape = "cosine"
+    final_lr_frac: StrictFloat = Field(default=0.1, ge=0, le=1)
+
+
+class FinetuneCheckpoint(CheckpointConfig):
+    every: StrictInt = Field(default=50, gt=0)
 
 
 class FinetuneConfig(Strict):
+    """The LoRA run: what to adapt, on which data, and the same loop sections as the train layer."""
+
     name: str
     base_model: str = "models/smollm2-135m-instruct"  # a Hugging Face folder (enlace import-gguf makes one)
     train_data: str = "assets/instruct/es_familia_train.jsonl"
     val_data: str = "assets/instruct/es_familia_val.jsonl"
-    format: Literal["dolly", "chat"] = "dolly"
+    format: InstructFormat = "dolly"
     system_prompt: str | None = None  # null: the chat template's own default system message
-    steps: StrictInt = Field(default=80, gt=0)
-    micro_batch: StrictInt = Field(default=4, gt=0)
-    grad_accum: StrictInt = Field(default=1, gt=0)
-    lr: StrictFloat = Field(default=1e-3, gt=0)
-    warmup: StrictInt = Field(default=10, ge=0)
-    final_lr_frac: StrictFloat = Field(default=0.1, ge=0, le=1)  # cosine decay to this fraction of lr
-    weight_decay: StrictFloat = Field(default=0.0, ge=0)
-    grad_clip: StrictFloat = Field(default=1.0, ge=0)  # 0 disables clipping
     max_len: StrictInt = Field(default=320, gt=1)
     max_examples: StrictInt = Field(default=0, ge=0)  # 0: all
     rank: StrictInt = Field(default=8, gt=0)
@@ -43,11 +47,14 @@ class FinetuneConfig(Strict):
     dropout: StrictFloat = Field(default=0.05, ge=0, lt=1)
     targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
     seed: StrictInt = 0
+    max_steps: StrictInt = Field(default=80, gt=0)
+    micro_batch_size: StrictInt = Field(default=4, gt=0)
+    grad_accum_steps: StrictInt = Field(default=1, gt=0)
+    optimizer: FinetuneOptimizer = FinetuneOptimizer()
+    schedule: FinetuneSchedule = FinetuneSchedule()
+    checkpoint: FinetuneCheckpoint = FinetuneCheckpoint()
     out: str = "runs/finetune"
-    checkpoint_every: StrictInt = Field(default=50, gt=0)
-    keep_checkpoints: StrictInt = Field(default=2, ge=1)
-    # Changed settings, data or code: "move" keeps the old run under <out>/previous/<identity>/.
-    on_identity_change: Literal["move", "delete"] = "move"
+    log_every: StrictInt = Field(default=1, gt=0)
     # Non-finite losses or gradients tolerated in a row before the run stops.
     max_nonfinite_in_row: StrictInt = Field(default=5, gt=0)
     eval_prompts: list[str] = [
@@ -55,7 +62,11 @@ class FinetuneConfig(Strict):
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",
         "Dame tres consejos para que los niños se acuesten temprano.",
     ]
-    generation: FinetuneGeneration = FinetuneGeneration()
+    # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its checks
+    # measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
+    generation: GenerationConfig = GenerationConfig(
+        max_new_tokens=96, temperature=0.7, top_k=0, top_p=0.9, repetition_penalty=1.1, no_repeat_ngram=4
+    )
 
     @field_validator("targets", mode="before")
     @classmethod

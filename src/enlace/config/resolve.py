@@ -45,11 +45,31 @@ class Config:
     files: dict[str, str]  # layer -> file it was read from
     eval: EvalConfig = field(default_factory=EvalConfig)
 
-    def __getattr__(self, name: str) -> Any:
-        layers = self.__dict__.get("layers", {})
-        if name in layers:
-            return layers[name]
-        raise AttributeError(name)
+    def _layer(self, name: str) -> Any:
+        if name not in self.layers:
+            raise AttributeError(f"this config has no {name} layer (it has {', '.join(self.layers)})")
+        return self.layers[name]
+
+    # Typed access to each layer; a command reads only some (finetune: hardware and finetune).
+    @property
+    def hardware(self) -> HardwareConfig:
+        return self._layer("hardware")
+
+    @property
+    def model(self) -> ModelConfig:
+        return self._layer("model")
+
+    @property
+    def train(self) -> TrainConfig:
+        return self._layer("train")
+
+    @property
+    def data(self) -> DataConfig:
+        return self._layer("data")
+
+    @property
+    def finetune(self) -> FinetuneConfig:
+        return self._layer("finetune")
 
     def to_dict(self) -> dict[str, Any]:
         return {name: layer.model_dump(mode="json") for name, layer in self.layers.items()}
@@ -242,6 +262,7 @@ def load_config(
     `flags` are a command's own options, dotted key -> (flag name, value): applied after `--set`, and
     errors name the flag the user typed.
     """
+    # Long: the resolution order reads top to bottom (select the layer files, read them, apply the overrides in order, validate).
     params_path = Path(params)
     root = params_path.parent
     p = read_params(params)
@@ -296,22 +317,36 @@ def load_config(
                 if k.startswith(f"{key}.") and provenance[k] != source:
                     del provenance[k]
 
-    built: dict[str, BaseModel] = {}
-    for layer in layers:
-        try:
-            built[layer] = LAYERS[layer].model_validate(raw[layer])
-        except ValidationError as e:
-            raise _validation_error(e, layer, provenance, files[layer]) from None
-        for k in flatten(built[layer].model_dump(mode="json")):
-            provenance.setdefault(f"{layer}.{k}", "default")
-
     try:
         ev = EvalConfig.model_validate(p.get("eval") or {})
     except ValidationError as e:
         err = e.errors(include_url=False)[0]
         raise ConfigError(str(params_path), "eval." + ".".join(map(str, err["loc"])), err["msg"]) from None
+    return build_config(raw, provenance=provenance, files=files, eval=ev, check_cross=check_cross)
 
-    cfg = Config(layers=built, provenance=provenance, files=files, eval=ev)
+
+def build_config(
+    layers: dict[str, Any],
+    *,
+    provenance: dict[str, str] | None = None,
+    files: dict[str, str] | None = None,
+    eval: EvalConfig | None = None,
+    check_cross: bool = False,
+) -> Config:
+    """The one way a Config is made (load_config, a checkpoint's saved config, gpu-check, the tests): each
+    layer (a dict or an already validated model) is validated against its schema, errors name the file the
+    value came from, and every value gets a provenance."""
+    provenance = dict(provenance or {})
+    files = dict(files or {})
+    built: dict[str, BaseModel] = {}
+    for layer, raw in layers.items():
+        try:
+            built[layer] = LAYERS[layer].model_validate(raw)
+        except ValidationError as e:
+            raise _validation_error(e, layer, provenance, files.get(layer, "config")) from None
+        for k in flatten(built[layer].model_dump(mode="json")):
+            provenance.setdefault(f"{layer}.{k}", "default")
+    cfg = Config(layers=built, provenance=provenance, files=files, eval=eval or EvalConfig())
     if check_cross:
         cross_layer_checks(cfg)
     return cfg

@@ -1,13 +1,14 @@
 """Train layer: optimisation, schedule, batch geometry, checkpoints and logging."""
 
-from typing import Literal
-
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
+from ..choices import DecayShape, OnIdentityChange, TrainLoader
 from .base import Strict
 
 
 class OptimizerConfig(Strict):
+    """AdamW."""
+
     lr: StrictFloat = Field(default=3e-4, gt=0)
     betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
     eps: StrictFloat = Field(default=1e-8, gt=0)
@@ -21,8 +22,9 @@ class ScheduleConfig(Strict):
     """Warmup-stable-decay: linear warmup, a flat plateau, then a decay to final_lr_frac * lr."""
 
     warmup_steps: StrictInt = Field(default=100, ge=0)
-    decay_steps: StrictInt = Field(default=200, ge=0)
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "1-sqrt"
+    # null: the decay takes every step after the warmup (no plateau), whatever max_steps is.
+    decay_steps: StrictInt | None = Field(default=200, ge=0)
+    decay_shape: DecayShape = "1-sqrt"
     final_lr_frac: StrictFloat = Field(default=0.0, ge=0, le=1)
 
 
@@ -33,14 +35,14 @@ class CheckpointConfig(Strict):
     fallback_on_corrupt: StrictBool = False
     # A rerun under a different run identity (changed params, data or code) starts fresh: "move" keeps the
     # old run under <run dir>/previous/<identity>/, "delete" removes it.
-    on_identity_change: Literal["move", "delete"] = "move"
+    on_identity_change: OnIdentityChange = "move"
 
 
 class TrainConfig(Strict):
     name: str
     seed: StrictInt = 1337
     # "bytes": the smoke stage reads raw UTF-8 bytes (vocab 256); "shards": token shards from `enlace shard`.
-    loader: Literal["bytes", "shards"] = "shards"
+    loader: TrainLoader = "shards"
     max_steps: StrictInt = Field(gt=0)
     micro_batch_size: StrictInt = Field(gt=0)
     grad_accum_steps: StrictInt = Field(default=1, gt=0)

@@ -20,8 +20,7 @@ from ..errors import DataError
 from .clean import CleanStats
 from .engine import Stage, run_stages
 from .extract import list_files
-from .sources import Lock, Source, fetch_source
-from .steps import (
+from .pipeline_steps import (
     ExactDedup,
     ExtractClean,
     Finalize,
@@ -33,6 +32,7 @@ from .steps import (
     item_key,
     raise_recorded_errors,
 )
+from .sources import Lock, Source, fetch_source
 from .util import log, progress
 
 
@@ -149,6 +149,7 @@ def build_corpus(
     `workers`/`tasks` override data.executor's (tests use them). Intermediate files live under
     raw/.work: per input file a cleaned JSONL, reused when neither the file nor the cleaning changed.
     """
+    # Long: the corpus stage in its order (fetch, clean per file, dedup, split, manifest); each part hands its state to the next.
     t0 = time.perf_counter()
     names = [s.name for s in data.sources]
     if len(set(names)) != len(names):

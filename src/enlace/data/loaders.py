@@ -18,11 +18,11 @@ import torch
 
 from .. import paths
 from ..errors import DataError
-from ..eval.token_bytes import TokenBytes
 from ..io import iter_jsonl, sha256_file
+from ..scoring.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
-    from ..eval.score import Windows
+    from ..scoring.score import Windows
 
 
 class _Tokens:
@@ -130,7 +130,7 @@ class _Loader:
     def val_windows(self, n: int) -> Windows:
         """n windows of seq_len targets spread evenly over the whole val split (all of it when n covers
         it), with the UTF-8 bytes their targets stand for. The same for every rank and every call."""
-        from ..eval.score import spread_windows
+        from ..scoring.score import spread_windows
 
         data = self.tokens("val")
         return spread_windows(data, self.seq_len, n, self.token_bytes())

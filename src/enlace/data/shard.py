@@ -32,7 +32,7 @@ from ..config.data import ExecutorConfig
 from ..errors import DataError
 from ..io import atomic_write_text, canonical_json, fsync_dir, sha256_file
 from .engine import Stage, run_stages
-from .steps import raise_recorded_errors, record_error
+from .pipeline_steps import raise_recorded_errors, record_error
 from .tokenize import EOS_ID
 from .util import log, progress
 
@@ -277,6 +277,7 @@ def build_shards(
     unit_docs: int = UNIT_DOCS,
 ) -> dict[str, Any]:
     """Encode corpus/{train,val}.jsonl into out/{split}-NNNNN.bin and out/manifest.json."""
+    # Long: the shard stage in its order, one place that shows what is reused and what is rewritten.
     out = Path(out)
     _restore_interrupted_swap(out)
     model_file = tokenizer / "tokenizer.model"

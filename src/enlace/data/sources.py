@@ -199,6 +199,7 @@ def fetch_hf(src: HfSource, raw: Path, lock: Lock) -> Path:
     First fetch: `revision` (e.g. main) is resolved to a commit, and the commit, file list, sizes and
     sha256 go into the lock. Later fetches download that commit and refuse any difference.
     """
+    # Long: one download protocol in order: resolve or check the locked commit, download, verify every file.
     from huggingface_hub import HfApi, hf_hub_download
 
     endpoint = hf_endpoint(src)

@@ -250,6 +250,7 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
     The previous tokenizer stays in place until the new one is complete: everything is written in a
     temporary folder beside `out`, then moved in (report.json, the "complete" mark, last).
     """
+    # Long: train, write and swap in the tokenizer in order; the temporary folder moves in only at the end.
     t0 = time.perf_counter()
     train_file = corpus / "train.jsonl"
     if not train_file.exists():

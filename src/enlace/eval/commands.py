@@ -67,7 +67,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise EnlaceError(f"--model {model_dir}: {what} (a run folder or a Hugging Face model folder)")
     if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():
         # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
-        from ..hf.load import load_for_generation
+        from ..load import load_for_generation
 
         model, tok = load_for_generation(
             model_dir, Path(args.adapter) if args.adapter else None, device=device
@@ -164,6 +164,8 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+
     p = sub.add_parser("eval", parents=[common], help="stage 6: val loss, perplexity, bits/byte, samples")
     p.add_argument(
         "--run-dir", default=str(paths.RUNS / "pretrain"), help="run whose latest checkpoint to evaluate"
@@ -198,7 +200,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument(
         "--weights",
         default="auto",
-        choices=("auto", "fp32", "bf16", "int8"),
+        choices=values(DecodeWeights),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only, CPU)",
     )
     p.set_defaults(handler=_generate)

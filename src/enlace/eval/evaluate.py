@@ -19,15 +19,15 @@ import torch
 
 from .. import paths
 from ..config import Config, ModelConfig
-from ..config.resolve import LAYERS
+from ..config.resolve import LAYERS, build_config
 from ..errors import CheckpointError, EnlaceError
 from ..generate import generate
 from ..io import atomic_write_json
 from ..model import Llama
 from ..runtime import check_device, setup_runtime
+from ..scoring.score import evaluate, precision, sliding_windows
+from ..scoring.token_bytes import TokenBytes
 from ..text import SentencePieceCodec, codec_for, continuation
-from .score import evaluate, precision, sliding_windows
-from .token_bytes import TokenBytes
 
 
 def load_trained_model(
@@ -80,8 +80,8 @@ def load_scorer(model_dir: Path, hw: Any, device: torch.device) -> Scorer:
         )
     model, meta, ckpt = load_trained_model(model_dir, device)
     saved = meta["config"]
-    layers = {k: LAYERS[k].model_validate(v) for k, v in saved.items() if k in LAYERS and k != "hardware"}
-    cfg = Config(layers={**layers, "hardware": hw}, provenance={}, files={})
+    layers = {k: v for k, v in saved.items() if k in LAYERS and k != "hardware"}
+    cfg = build_config({**layers, "hardware": hw})
     if cfg.train.loader == "bytes":
         # Documents are joined by blank lines in the byte stream: a text starts after a newline.
         encode = lambda t: [10, *t.encode("utf-8")]  # noqa: E731

@@ -1,4 +1,4 @@
-"""The `enlace chat` REPL: streamed replies from a Hugging Face folder (loaded by enlace.hf.load)."""
+"""The `enlace chat` REPL: streamed replies from a Hugging Face folder (loaded by enlace.load)."""
 
 from __future__ import annotations
 

@@ -9,14 +9,14 @@ from pathlib import Path
 DEFAULT_LAYER = "smollm2-es"
 # `enlace finetune` flags -> finetune.<key>; each is a shorthand for --set finetune.<key>=VALUE.
 FLAGS = {
-    "steps": "steps",
-    "lr": "lr",
+    "steps": "max_steps",
+    "lr": "optimizer.lr",
     "rank": "rank",
     "alpha": "alpha",
     "targets": "targets",
     "max_len": "max_len",
     "examples": "max_examples",
-    "batch": "micro_batch",
+    "batch": "micro_batch_size",
     "out": "out",
     "model": "base_model",
     "data": "train_data",
@@ -81,23 +81,18 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 
 def _finetune(args: argparse.Namespace) -> int:
-    from ..config import save_resolved
-    from ..hf.load import check_model_folder
-    from ..train.lock import run_dir_lock
+    from ..load import check_model_folder
     from .train import finetune
 
     cfg = load_finetune_cfg(args)
     check_model_folder(Path(cfg.finetune.base_model))
-    out = Path(cfg.finetune.out)
-    with run_dir_lock(out):  # before anything is written into the run folder
-        save_resolved(cfg, out / "config.json")
-        result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet)
+    result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet, resolved=cfg)
     print(json.dumps(result.final))
     return result.exit_code
 
 
 def _finetune_eval(args: argparse.Namespace) -> int:
-    from ..hf.load import check_model_folder
+    from ..load import check_model_folder
     from .evaluate import finetune_eval
 
     cfg = load_finetune_cfg(args)
@@ -115,7 +110,7 @@ def _chat(args: argparse.Namespace) -> int:
     import sys
 
     from ..generate import check_sampling, decode_weights
-    from ..hf.load import load_for_generation
+    from ..load import load_for_generation
     from .chat import chat_repl
 
     sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
@@ -134,6 +129,9 @@ CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    # Long: the flat argparse declarations of four commands, in the order `enlace --help` lists them.
+    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+
     # Paths, not the importer: `enlace --help` must not import gguf and torch.
     from ..paths import GEMMA3_DIR, SMOLLM2_DIR
     from ..paths import PYPI_CACHE as DEFAULT_CACHE
@@ -214,7 +212,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument(
         "--weights",
         default="auto",
-        choices=("auto", "fp32", "bf16", "int8"),
+        choices=values(DecodeWeights),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
     )
     p.set_defaults(handler=_chat)

@@ -17,9 +17,9 @@ from ..errors import EnlaceError
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
+from ..lora import load_adapter, set_merged
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
-from .lora import load_adapter, set_merged
 from .loss import assistant_loss_sum
 
 # Goals from the finetune issue: no looping answer, held-out loss at least 20% below the base model's.

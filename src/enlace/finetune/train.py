@@ -1,17 +1,15 @@
-"""`enlace finetune`: train a LoRA adapter on the shared training core (enlace.train.step).
+"""`enlace finetune`: LoRA fine-tuning as a task of the training loop (train/loop.py).
 
-Same guarantees as pretraining: one checkpoint layout (adapter weights as the "model" group, AdamW, scaler,
-counters, every RNG), GradScaler under fp16, non-finite steps skipped, SIGTERM/SIGINT save and stop, a run
+The task loads a Hugging Face base model, injects seeded adapters (only they train, in one AdamW group),
+batches the instruction data so every assistant token weighs the same, and writes the adapter (PEFT
+layout) at the end. The loop gives it every guarantee pretraining has: one checkpoint layout, GradScaler
+under fp16, non-finite steps skipped, SIGTERM/SIGINT save and stop, the run-directory lock, and a run
 identity (settings, data, base model, code) that decides what may be resumed.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import shutil
-import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,51 +17,55 @@ from typing import Any
 
 import torch
 
+from .. import lora as lora_module
 from .. import model as model_module
+from ..config import Config, save_resolved
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
-from ..errors import EnlaceError
 from ..hf import folder as hf_module
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import sha256_file
-from ..runtime import setup_runtime
+from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
+from ..train import dist as D
+from ..train import loop as loop_module
 from ..train import schedule as schedule_module
 from ..train import step as step_module
-from ..train.checkpoint import clean_partial, latest_checkpoint, list_checkpoints, save_checkpoint
-from ..train.identity import RunIdentity, code_fingerprint, reconcile, weight_keys
-from ..train.lock import run_dir_lock
-from ..train.metrics import MetricsLog, read_jsonl
-from ..train.schedule import wsd_lr
-from ..train.signals import SecondInterrupt, StopFlag, abandoned
-from ..train.step import StepSettings, TrainState, make_scaler, train_step
+from ..train.identity import RunIdentity, code_fingerprint, weight_keys
+from ..train.loop import NonFiniteError, Setup
+from ..train.metrics import read_jsonl
+from ..train.step import StepOutput, TrainState
 from . import data as data_module
-from . import lora as lora_module
 from . import loss as loss_module
 from .data import batch_indices, collate, load_dataset
-from .lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from .loss import assistant_loss_sum
 
-# Settings that provably do not change the adapter: where it goes, how often it is saved, what is done
-# with it afterwards (held-out data, prompts, decoding).
+# Settings that provably do not change the adapter: where it goes, how often it is logged and saved, what
+# is done with it afterwards (held-out data, prompts, decoding).
 CADENCE_KEYS = (
     "finetune.name",
     "finetune.out",
     "finetune.val_data",
-    "finetune.checkpoint_every",
-    "finetune.keep_checkpoints",
-    "finetune.on_identity_change",
+    "finetune.log_every",
+    "finetune.checkpoint",
     "finetune.max_nonfinite_in_row",
     "finetune.eval_prompts",
     "finetune.generation",
 )
 # The model's own forward is part of every step: a change there (attention, say) must not resume old adapters.
-STEP_CODE = (model_module, step_module, schedule_module, data_module, hf_module, lora_module, loss_module)
+STEP_CODE = (
+    model_module,
+    step_module,
+    loop_module,
+    schedule_module,
+    data_module,
+    hf_module,
+    lora_module,
+    loss_module,
+)
 RUN_FILES = ("metrics.jsonl", "adapter", "eval.json")
 
-
-class FinetuneDiverged(EnlaceError):
-    """Too many non-finite losses or gradients in a row."""
+FinetuneDiverged = NonFiniteError  # the loop's error, under the name fine-tuning code knew it by
 
 
 @dataclass
@@ -71,28 +73,7 @@ class FinetuneResult:
     final: dict[str, Any]  # the last metrics record
     data: dict[str, Any]  # the dataset report
     interrupted: str | None = None
-
-    @property
-    def exit_code(self) -> int:
-        return {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}.get(self.interrupted or "", 0)
-
-
-def finetune_lr(cfg: FinetuneConfig, step: int) -> float:
-    """Linear warmup, then a cosine decay to final_lr_frac * lr at the last step: WSD without a plateau."""
-    return wsd_lr(
-        step,
-        max_steps=cfg.steps,
-        peak_lr=cfg.lr,
-        warmup_steps=cfg.warmup,
-        decay_steps=max(cfg.steps - cfg.warmup, 0),
-        decay_shape="cosine",
-        final_lr_frac=cfg.final_lr_frac,
-    )
-
-
-def decay_start(keys: dict[str, Any]) -> int:
-    """The cosine decay starts right after warmup: steps up to there do not depend on the step count."""
-    return min(keys["finetune.warmup"], keys["finetune.steps"])
+    exit_code: int = 0  # 128 + the signal number when a signal stopped the run
 
 
 def base_fingerprint(folder: Path) -> str:
@@ -104,6 +85,7 @@ def base_fingerprint(folder: Path) -> str:
 
 
 def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
+    """Everything that decides the adapter's weights."""
     keys = weight_keys({"finetune": cfg.model_dump(mode="json")}, CADENCE_KEYS)
     keys.update(
         {
@@ -114,7 +96,7 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
             "code": code_fingerprint(STEP_CODE),
         }
     )
-    return RunIdentity(keys, steps_key="finetune.steps")
+    return RunIdentity(keys, steps_key="finetune.max_steps")
 
 
 def prepare(cfg: FinetuneConfig, device: torch.device):
@@ -134,19 +116,19 @@ def micro_batches(
 ) -> Iterator:
     """Each step's micro-batches, tagged with the step's label count: every token weighs the same whatever
     micro-batch it is in."""
-    step = start_step
+    step, accum = start_step, cfg.grad_accum_steps
     while True:
         batches = [
             collate(
                 [
                     data.examples[i]
                     for i in batch_indices(
-                        len(data.examples), cfg.micro_batch, step * cfg.grad_accum + m, cfg.seed
+                        len(data.examples), cfg.micro_batch_size, step * accum + m, cfg.seed
                     )
                 ],
                 pad_id,
             )
-            for m in range(cfg.grad_accum)
+            for m in range(accum)
         ]
         total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
         for b in batches:
@@ -159,115 +141,89 @@ def sft_forward(model: torch.nn.Module, batch: dict[str, Any]):
     return s / max(batch["total"], 1), {"tokens": s.new_tensor(float(n))}
 
 
-def save(state: TrainState, cfg: FinetuneConfig, ident: RunIdentity) -> Path:
-    tensors, meta = state.state_dict()
-    meta.update({"identity": ident.hash, "identity_keys": ident.keys, "config": cfg.model_dump(mode="json")})
-    pinned = [decay_start(ident.keys)]
-    return save_checkpoint(
-        Path(cfg.out) / "checkpoints", state.step, tensors, meta, cfg.keep_checkpoints, pinned
-    )
+class FinetuneTask:
+    """What LoRA fine-tuning trains. `resolved`: the whole config, written beside the run when given."""
+
+    section = "finetune"
+    world_size = 1
+    run_files = RUN_FILES
+
+    def __init__(self, cfg: FinetuneConfig, hw: HardwareConfig, resolved: Config | None = None):
+        self.cfg, self.hw, self.resolved = cfg, hw, resolved
+        self.settings = cfg
+        self.data: Any = None
+        self.pad_id = 0
+
+    def setup(self, device: torch.device, info: D.DistInfo) -> Setup:
+        cfg = self.cfg
+        model, tok, self.data = prepare(cfg, device)  # checks the base folder and the data file, naming them
+        self.pad_id = tok.pad_id
+        if self.hw.dtype == "bf16":
+            cast_frozen_base(
+                model
+            )  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
+        ident = run_identity(cfg, self.hw)
+        rep = self.data.report()
+        print(
+            f"data: {rep['examples']} examples ({rep['assistant_tokens']} assistant tokens); dropped "
+            f"{rep['dropped_too_long']} longer than max_len={cfg.max_len}, {rep['dropped_no_answer']} without an answer",
+            flush=True,
+        )
+        named = lora_parameters(model)
+        groups = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+        o = cfg.optimizer
+        opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+        return Setup(model, opt, ident, trainable_only=True)
+
+    def batches(self, start_step: int, device: torch.device) -> Iterator[Any]:
+        return micro_batches(self.data, self.pad_id, self.cfg, start_step, device)
+
+    def forward(self, model: torch.nn.Module, batch: Any):
+        return sft_forward(model, batch)
+
+    def step_tokens(self, out: StepOutput) -> int:
+        return int(round(out.parts["tokens"]))
+
+    def log_record(self, out: StepOutput, state: TrainState, seconds: float, steps: int) -> dict[str, Any]:
+        return {
+            "step": state.step,
+            "loss": round(out.loss, 5),
+            "lr": out.lr,
+            "grad_norm": round(out.grad_norm, 5),
+            "tokens": self.step_tokens(out),
+            "s_per_step": round(seconds / max(steps, 1), 3),
+            "skipped": state.skipped,
+        }
+
+    def validate(self, final: bool) -> None:
+        return None  # held-out loss and answers: `enlace finetune-eval`
+
+    def checkpoint_meta(self, state: TrainState) -> dict[str, Any]:
+        return {"config": self.cfg.model_dump(mode="json")}
+
+    def write_config(self, run_dir: Path) -> None:
+        if self.resolved is not None:
+            save_resolved(self.resolved, run_dir / "config.json")
+
+    def finish(self, model: torch.nn.Module, run_dir: Path) -> None:
+        save_adapter(model, run_dir / "adapter", self.cfg.base_model)
+        print(f"adapter written to {run_dir / 'adapter'}", flush=True)
 
 
 def finetune(
-    cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progress: bool = True
+    cfg: FinetuneConfig,
+    hw: HardwareConfig,
+    fresh: bool = False,
+    progress: bool = True,
+    resolved: Config | None = None,
+    stop_after: int | None = None,
 ) -> FinetuneResult:
     """Train (or resume) the adapter run in cfg.out; one process per run folder."""
-    with run_dir_lock(Path(cfg.out)):
-        return _finetune(cfg, hw, fresh, progress)
-
-
-def _finetune(cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool, progress: bool) -> FinetuneResult:
-    from tqdm import tqdm
-
-    device = setup_runtime(hw)
+    task = FinetuneTask(cfg, hw, resolved)
     out = Path(cfg.out)
-    ckpt_root = out / "checkpoints"
-    model, tok, data = prepare(cfg, device)  # checks the base folder and the data file, naming them
-    if hw.dtype == "bf16":
-        cast_frozen_base(model)  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
-    ident = run_identity(cfg, hw)
-    rep = data.report()
-    print(
-        f"data: {rep['examples']} examples ({rep['assistant_tokens']} assistant tokens); dropped "
-        f"{rep['dropped_too_long']} longer than max_len={cfg.max_len}, {rep['dropped_no_answer']} without an answer",
-        flush=True,
+    r = loop_module.run(task, out, hw, fresh=fresh, progress=progress, stop_after=stop_after)
+    # The last step record, from the log: a rerun of a finished run steps nothing but reports its end.
+    last = ([x for x in read_jsonl(out / "metrics.jsonl") if "loss" in x] or [{}])[-1]
+    return FinetuneResult(
+        final=last, data=task.data.report(), interrupted=r.interrupted, exit_code=r.exit_code
     )
-    named = lora_parameters(model)
-    groups = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.999))
-    state = TrainState(model, opt, make_scaler(device, hw), device, trainable_only=True)
-
-    out.mkdir(parents=True, exist_ok=True)
-    if fresh and ckpt_root.exists():
-        shutil.rmtree(ckpt_root)  # --fresh: a stale checkpoint would otherwise win the next resume
-    clean_partial(ckpt_root)
-    why = reconcile(out, "checkpoints", ident, decay_start, RUN_FILES, cfg.on_identity_change)
-    if why:
-        print(why, flush=True)
-    log = MetricsLog(out / "metrics.jsonl")
-    found = latest_checkpoint(ckpt_root)
-    last: dict[str, Any] = {}
-    if found is not None:
-        path, tensors, meta = found
-        state.load_state_dict(tensors, meta)
-        log.truncate_after(state.step)
-        last = ([r for r in read_jsonl(log.path) if "loss" in r] or [{}])[-1]
-        print(f"resumed from {path} at step {state.step}", flush=True)
-    else:
-        log.reset()
-
-    model.train()
-    settings = StepSettings(cfg.grad_accum, cfg.grad_clip, hw)
-    next_batch = functools.partial(next, micro_batches(data, tok.pad_id, cfg, state.step, device))
-    batch = next_batch()
-    interrupted = None
-    bar = tqdm(total=cfg.steps, initial=state.step, disable=not progress, desc="finetune")
-    try:
-        with StopFlag() as stop:
-            while state.step < cfg.steps:
-                t0 = time.perf_counter()
-                lr = finetune_lr(cfg, state.step)
-                res, batch = train_step(state, model, batch, next_batch, sft_forward, lr, settings)
-                ntok = int(round(res.parts["tokens"]))
-                state.tokens += ntok
-                if state.nonfinite_in_row >= cfg.max_nonfinite_in_row:
-                    done = list_checkpoints(ckpt_root)
-                    raise FinetuneDiverged(
-                        f"{state.nonfinite_in_row} non-finite losses/gradients in a row (up to step {state.step}, "
-                        f"finetune.max_nonfinite_in_row={cfg.max_nonfinite_in_row}); the last good checkpoint is "
-                        f"{done[-1] if done else 'none'}. Lower finetune.lr or check the data"
-                    )
-                dt = time.perf_counter() - t0
-                last = {
-                    "step": state.step,
-                    "loss": round(res.loss, 5),
-                    "lr": res.lr,
-                    "grad_norm": round(res.grad_norm, 5),
-                    "tokens": ntok,
-                    "s_per_step": round(dt, 3),
-                    "skipped": state.skipped,
-                }
-                log.append(last)
-                bar.update(1)
-                bar.set_postfix(loss=f"{res.loss:.3f}", lr=f"{res.lr:.2e}", s_step=f"{dt:.2f}")
-                due = state.step % cfg.checkpoint_every == 0 or state.step in (
-                    cfg.steps,
-                    decay_start(ident.keys),
-                )
-                if due or stop.signal:
-                    path = save(state, cfg, ident)
-                if stop.signal:
-                    interrupted = stop.signal
-                    print(
-                        f"finetune: stopped by {stop.signal} at step {state.step}; checkpoint saved to {path}. "
-                        "Rerun the same command to continue",
-                        flush=True,
-                    )
-                    break
-    except SecondInterrupt:
-        raise abandoned(state.step, list_checkpoints(ckpt_root)) from None
-    bar.close()
-    if interrupted is None:
-        save_adapter(model, out / "adapter", cfg.base_model)
-        print(f"adapter written to {out / 'adapter'}", flush=True)
-    return FinetuneResult(final=last, data=rep, interrupted=interrupted)

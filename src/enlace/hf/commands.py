@@ -11,7 +11,7 @@ from ..errors import EnlaceError
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .export import export_merged, export_run
+    from ..export import export_merged, export_run
     from .gguf_export import FILE_TYPES, export_folder_gguf
 
     if args.gguf_type not in FILE_TYPES:
@@ -42,7 +42,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _bench_es(args: argparse.Namespace) -> int:
-    from .bench_es import run_bench
+    from ..eval.bench_es import run_bench
 
     result = run_bench(Path(args.model_dir), Path(args.out) if args.out else None, limit=args.limit)
     for task, r in result["tasks"].items():

@@ -1,7 +1,7 @@
 """What `enlace serve` serves: one model, loaded once, with the text side it needs (prompt ids, chat template,
 streamed decoding, stop ids).
 
-Everything here reuses the loaders the other commands use: `hf.load.load_for_generation` for a Hugging Face
+Everything here reuses the loaders the other commands use: `load.load_for_generation` for a Hugging Face
 folder (with a LoRA adapter merged in), `eval.evaluate.load_trained_model` and the run's codec for one of
 our pretraining runs, and the finetune layer's config for the default (its base model and adapter).
 """
@@ -59,7 +59,7 @@ class _RunStream:
 
 
 def _hf(model_dir: Path, adapter: Path | None, name: str, device: str) -> Served:
-    from ..hf.load import load_for_generation
+    from ..load import load_for_generation
     from ..hf.tokenizer import StreamDecoder
 
     model, tok = load_for_generation(model_dir, adapter, device=device)
@@ -100,7 +100,7 @@ def _base_of_lora_run(run_dir: Path) -> Path:
         base = json.loads(cfg_path.read_text(encoding="utf-8")).get("config", {}).get("finetune", {})
         if base.get("base_model"):
             return Path(base["base_model"])
-    from ..finetune.lora import read_adapter_config
+    from ..lora import read_adapter_config
 
     recorded = read_adapter_config(run_dir / "adapter").get("base_model_name_or_path")
     if not recorded:

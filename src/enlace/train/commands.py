@@ -38,7 +38,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         )
         p.add_argument("--run-dir", default=None, help=f"run directory (default {paths.RUNS}/{stage})")
         p.add_argument(
-            "--fresh", action="store_true", help="delete the run directory first instead of resuming"
+            "--fresh",
+            action="store_true",
+            help="remove the run's checkpoints and outputs first instead of resuming",
         )
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         p.set_defaults(handler=lambda a, s=stage: _run(a, s))

@@ -2,7 +2,7 @@
 
 Every checkpoint stores `identity` (the hash) and `identity_keys` (the flat values it hashes). A run resumes
 only a checkpoint of its own identity. Otherwise:
-- only the step count changed (train.max_steps, finetune.steps): the weights at step s are the same in both
+- only the step count changed (train.max_steps, finetune.max_steps): the weights at step s are the same in both
   runs as long as both were still before their decay (WSD's plateau does not depend on the step count), so
   the run resumes from the last checkpoint at or before both decay starts, which the trainer pins. Later
   checkpoints are archived. Without such a checkpoint it starts fresh.
@@ -32,7 +32,7 @@ PREVIOUS = "previous"
 @dataclass(frozen=True)
 class RunIdentity:
     keys: dict[str, Any]  # flat, dotted: the values that decide the weights
-    steps_key: str  # the key holding the step count (train.max_steps or finetune.steps)
+    steps_key: str  # the key holding the step count (train.max_steps or finetune.max_steps)
 
     @property
     def hash(self) -> str:

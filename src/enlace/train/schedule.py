@@ -14,10 +14,12 @@ never re-used at peak lr.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
-from ..config.train import TrainConfig
+from ..choices import DecayShape, values
+from ..config.train import OptimizerConfig, ScheduleConfig
 
-SHAPES = ("linear", "cosine", "1-sqrt")
+SHAPES = values(DecayShape)
 
 
 def decay_factor(progress: float, shape: str) -> float:
@@ -51,15 +53,36 @@ def wsd_lr(
     return peak_lr * (final_lr_frac + (1.0 - final_lr_frac) * f)
 
 
-def lr_at(train: TrainConfig, step: int) -> float:
-    """The learning rate of optimizer step `step` under a train config."""
-    s = train.schedule
+class Scheduled(Protocol):
+    """A run config with a step count, an optimizer and a schedule (pretraining's train, the finetune layer)."""
+
+    @property
+    def max_steps(self) -> int: ...
+    @property
+    def optimizer(self) -> OptimizerConfig: ...
+    @property
+    def schedule(self) -> ScheduleConfig: ...
+
+
+def decay_steps(max_steps: int, s: ScheduleConfig) -> int:
+    """schedule.decay_steps, or every step after the warmup when it is null (no plateau)."""
+    return s.decay_steps if s.decay_steps is not None else max(max_steps - s.warmup_steps, 0)
+
+
+def decay_start(max_steps: int, s: ScheduleConfig) -> int:
+    """The first step whose learning rate depends on max_steps."""
+    return max_steps - decay_steps(max_steps, s)
+
+
+def lr_at(run: Scheduled, step: int) -> float:
+    """The learning rate of optimizer step `step` under a run config."""
+    s = run.schedule
     return wsd_lr(
         step,
-        max_steps=train.max_steps,
-        peak_lr=train.optimizer.lr,
+        max_steps=run.max_steps,
+        peak_lr=run.optimizer.lr,
         warmup_steps=s.warmup_steps,
-        decay_steps=s.decay_steps,
+        decay_steps=decay_steps(run.max_steps, s),
         decay_shape=s.decay_shape,
         final_lr_frac=s.final_lr_frac,
     )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from ..config import Config, save_resolved
+from ..config import Config
 from ..data.budget import check_budget
 from ..errors import EnlaceError
 from ..estimate import preflight
@@ -37,20 +37,14 @@ class SmokeError(EnlaceError):
     """The smoke run did not learn, or did not resume exactly."""
 
 
-def _prepare(cfg: Config, run_dir: Path, fresh: bool) -> D.DistInfo:
+def _prepare(cfg: Config) -> D.DistInfo:
     # The device check comes before anything touches data or the run directory.
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware profile"))
     # Memory preflight: a step that cannot fit fails now, with the micro-batch that does, not at step 1.
     preflight(cfg)
     # Data budget: refuse a plan that would loop over the data more than data.max_epochs times.
     print(check_budget(cfg, require_data=True).line(), file=sys.stderr)
-    info = D.init_distributed(cfg.hardware.device, cfg.train.world_size)
-    if info.is_main:
-        if fresh and run_dir.exists():
-            shutil.rmtree(run_dir)
-        save_resolved(cfg, run_dir / "config.json")
-    D.barrier(info)
-    return info
+    return D.init_distributed(cfg.hardware.device, cfg.train.world_size)
 
 
 def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]:
@@ -116,6 +110,8 @@ def main_process() -> bool:
 
 
 def smoke(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
+    # The loop holds the run directory's lock while it trains; the stage holds it on until its summary is
+    # written (the lock is re-entrant within a process).
     with run_dir_lock(run_dir, enabled=main_process()):
         return _smoke(cfg, Path(run_dir), progress, fresh)
 
@@ -126,8 +122,8 @@ def pretrain(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = Fa
 
 
 def _smoke(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
-    info = _prepare(cfg, run_dir, fresh)
-    result = train(cfg, run_dir, progress=progress)
+    info = _prepare(cfg)
+    result = train(cfg, run_dir, progress=progress, fresh=fresh)
     if result.interrupted:
         return result.exit_code
     summary = summarise(cfg, run_dir, result)
@@ -152,8 +148,8 @@ def _smoke(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
 
 
 def _pretrain(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
-    info = _prepare(cfg, run_dir, fresh)
-    result = train(cfg, run_dir, progress=progress)
+    info = _prepare(cfg)
+    result = train(cfg, run_dir, progress=progress, fresh=fresh)
     if result.interrupted:
         D.cleanup(info)
         return result.exit_code

@@ -1,17 +1,13 @@
-"""The pretraining loop: `train`, read top to bottom, plus the small pieces it needs.
+"""Pretraining as a task of the training loop (train/loop.py): a Llama from scratch on token shards.
 
-Per optimizer step: take the lr from the WSD schedule, run `train_step` (accumulated forward/backward under
-the hardware profile's autocast, GradScaler, clip, skip on non-finite, AdamW), log, evaluate, checkpoint.
-Everything a resume needs is in the checkpoint (`TrainState`), so a resumed run continues bit for bit (on
-CPU) where the uninterrupted one would be. A checkpoint is only resumed by a run of the same identity
-(train/identity.py): changed params, data or code start a fresh run.
+The task builds the model (seeded by train.seed), AdamW with its decay/no-decay groups, and the loaders;
+its loss is the model's cross-entropy plus z-loss; it evaluates bits per byte on fixed validation windows
+(periodically and at the end) and names what decides the weights (the run identity). The loop does the
+rest: steps, cadence, checkpoints, resume, signals.
 """
 
 from __future__ import annotations
 
-import functools
-import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,23 +16,21 @@ from typing import Any
 import torch
 
 from .. import model as model_module
+from ..config import save_resolved
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
-from ..errors import EnlaceError
-from ..eval.score import evaluate, precision
 from ..model import Llama
-from ..runtime import setup_runtime
+from ..scoring.score import evaluate, precision
 from . import dist as D
+from . import loop as loop_module
 from . import optim as optim_module
 from . import schedule as schedule_module
 from . import step as step_module
-from .checkpoint import clean_partial, latest_checkpoint, list_checkpoints, save_checkpoint
-from .identity import RunIdentity, code_fingerprint, reconcile, weight_keys
-from .metrics import MetricsLog
+from .identity import RunIdentity, code_fingerprint, weight_keys
+from .loop import NonFiniteError, RunResult, Setup
 from .optim import build_optimizer
 from .schedule import lr_at
-from .signals import SecondInterrupt, StopFlag, abandoned
-from .step import StepSettings, TrainState, make_scaler, seed_everything, train_step
+from .step import StepOutput, TrainState, seed_everything
 
 # Keys that provably do not change the weights: names, how often to log, evaluate and save, how many
 # checkpoints to keep, when to give up on a diverged run, what to do with an old run.
@@ -51,13 +45,11 @@ CADENCE_KEYS = (
     "train.max_nonfinite_in_row",
 )
 # The source of these modules computes a step: editing any of them makes a new run identity.
-STEP_CODE = (model_module, step_module, optim_module, schedule_module, loaders_module)
+STEP_CODE = (model_module, step_module, loop_module, optim_module, schedule_module, loaders_module)
 # A run's outputs besides its checkpoints, archived with them when a changed run starts fresh.
 RUN_FILES = ("metrics.jsonl", "metrics.json", "loss.png", "curves.csv")
 
-
-class NonFiniteError(EnlaceError):
-    """Too many non-finite losses or gradients in a row: the run diverged."""
+__all__ = ["NonFiniteError", "PretrainTask", "TrainResult", "train"]
 
 
 @dataclass
@@ -71,15 +63,10 @@ class TrainResult:
     skipped: int  # non-finite steps skipped over the whole run
     interrupted: str | None = None  # "SIGTERM"/"SIGINT" when a signal stopped the run
     resumed_from: int | None = None
-
-    @property
-    def exit_code(self) -> int:
-        # 128 + signal number, the shell convention: a preempted run is not a finished run, so a pipeline
-        # (dvc repro) must not record its outputs; the saved checkpoint makes the rerun continue.
-        return {"SIGTERM": 128 + signal.SIGTERM, "SIGINT": 128 + signal.SIGINT}.get(self.interrupted or "", 0)
+    exit_code: int = 0  # 128 + the signal number when a signal stopped the run
 
 
-# ---- run identity -------------------------------------------------------------------------------------
+# ---- the task -------------------------------------------------------------------------------------
 
 
 def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIdentity:
@@ -95,20 +82,6 @@ def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIden
         }
     )
     return RunIdentity(keys, steps_key="train.max_steps")
-
-
-def decay_start(keys: dict[str, Any]) -> int:
-    """The first step whose learning rate depends on max_steps (WSD: the start of the decay)."""
-    return keys["train.max_steps"] - keys["train.schedule.decay_steps"]
-
-
-def pinned_step(cfg: Config) -> int | None:
-    """The last step before the decay: its checkpoint is kept, so a longer run can start from it."""
-    s = cfg.train.max_steps - cfg.train.schedule.decay_steps  # decay_start() of this config
-    return s if 0 < s < cfg.train.max_steps else None
-
-
-# ---- the loop -----------------------------------------------------------------------------------------
 
 
 def init_model(cfg: Config, device: torch.device) -> Llama:
@@ -137,57 +110,86 @@ def micro_batches(loader: Any, start_step: int, accum: int, device: torch.device
         step += 1
 
 
-def resume(state: TrainState, cfg: Config, run_dir: Path, ident: RunIdentity, info: D.DistInfo) -> int | None:
-    """Load the newest checkpoint this run may continue from; None when it starts fresh."""
-    ckpt_root = run_dir / "checkpoints"
-    if info.is_main:
-        clean_partial(ckpt_root)
-        why = reconcile(
-            run_dir, "checkpoints", ident, decay_start, RUN_FILES, cfg.train.checkpoint.on_identity_change
+class PretrainTask:
+    """What pretraining trains; loaders default to enlace.data.loaders.make_loader (tests pass their own)."""
+
+    section = "train"
+    run_files = RUN_FILES
+
+    def __init__(self, cfg: Config, loader: Any = None, val_loader: Any = None):
+        self.cfg, self.loader, self.val_loader = cfg, loader, val_loader
+        self.settings = cfg.train
+        self.world_size = cfg.train.world_size
+        self.tokens_per_step = cfg.train.global_batch_size * cfg.model.seq_len
+        self.val_windows: Any = None
+        self.raw_model: Llama | None = None
+        self.processes = 1  # data-parallel processes actually running (set by setup)
+
+    def setup(self, device: torch.device, info: D.DistInfo) -> Setup:
+        cfg, t = self.cfg, self.cfg.train
+        self.processes = info.world_size
+        if self.loader is None or self.val_loader is None:
+            where = {"rank": info.rank, "world_size": info.world_size}
+            self.loader = self.loader or loaders_module.make_loader(cfg, "train", **where)
+            self.val_loader = self.val_loader or loaders_module.make_loader(cfg, "val", **where)
+        ident = run_identity(cfg, self.loader.fingerprint, info.world_size)
+        self.raw_model = init_model(cfg, device)
+        seed_everything(t.seed + info.rank)  # per-rank streams after the shared init (dropout, if any)
+        optimizer = build_optimizer(self.raw_model, t.optimizer, device.type)
+        # Validation: fixed windows spread over the whole val split, scored by the eval stage's own function.
+        if info.is_main:
+            self.val_windows = self.val_loader.val_windows(t.eval_batches * t.micro_batch_size)
+        return Setup(self.raw_model, optimizer, ident, self.loader, compile=cfg.hardware.compile)
+
+    def batches(self, start_step: int, device: torch.device) -> Iterator[Any]:
+        return micro_batches(self.loader, start_step, self.cfg.train.grad_accum_steps, device)
+
+    def forward(self, model: torch.nn.Module, batch: Any):
+        return lm_forward(model, batch, accum=self.cfg.train.grad_accum_steps)
+
+    def step_tokens(self, out: StepOutput) -> int:
+        return self.tokens_per_step
+
+    def log_record(self, out: StepOutput, state: TrainState, seconds: float, steps: int) -> dict[str, Any]:
+        tok_s = steps * self.tokens_per_step / max(seconds, 1e-9)
+        return {
+            "step": state.step,
+            "loss": out.loss,
+            **out.parts,
+            "lr": out.lr,
+            "grad_norm": out.grad_norm,
+        } | {
+            "tokens": state.tokens,
+            "tokens_per_s": round(tok_s, 1),
+            "skipped": state.skipped,
+        }
+
+    def validate(self, final: bool) -> dict[str, Any]:
+        hw, t = self.cfg.hardware, self.cfg.train
+        assert self.raw_model is not None
+        v = evaluate(
+            self.raw_model, self.val_windows, batch_size=t.micro_batch_size, precision=lambda: precision(hw)
         )
-        if why:
-            print(why, flush=True)
-    D.barrier(info)
-    fallback = cfg.train.checkpoint.fallback_on_corrupt
-    found = latest_checkpoint(ckpt_root, fallback, "cpu", "train.checkpoint.fallback_on_corrupt")
-    if found is None:
-        return None
-    _, tensors, meta = found
-    state.load_state_dict(tensors, meta, info.rank)
-    return state.step
+        extra = {"val_tokens": v["tokens"], "val_bytes": v["bytes"]} if final else {}
+        return {"val_loss": v["loss"], "val_bpb": v["bpb"], **extra}
 
+    def checkpoint_meta(self, state: TrainState) -> dict[str, Any]:
+        t = self.cfg.train
+        return {
+            "lr": lr_at(t, state.step - 1) if state.step > 0 else 0.0,
+            "next_lr": lr_at(t, state.step),
+            "max_steps": t.max_steps,
+            "world_size": self.processes,
+            "data_fingerprint": self.loader.fingerprint,
+            "config": self.cfg.to_dict(),
+            "config_hash": self.cfg.hash,
+        }
 
-def save(state: TrainState, cfg: Config, run_dir: Path, ident: RunIdentity, info: D.DistInfo) -> None:
-    ranks = D.gather_objects(info, state.rank_state())
-    if info.is_main:
-        tensors, meta = state.state_dict(ranks)
-        t = cfg.train
-        meta.update(
-            {
-                "identity": ident.hash,
-                "identity_keys": ident.keys,
-                "lr": lr_at(t, state.step - 1) if state.step > 0 else 0.0,
-                "next_lr": lr_at(t, state.step),
-                "max_steps": t.max_steps,
-                "world_size": info.world_size,
-                "data_fingerprint": ident.keys["data.fingerprint"],
-                "config": cfg.to_dict(),
-                "config_hash": cfg.hash,
-            }
-        )
-        pinned = [s for s in (pinned_step(cfg),) if s is not None]
-        save_checkpoint(run_dir / "checkpoints", state.step, tensors, meta, t.checkpoint.keep_last, pinned)
-    D.barrier(info)
+    def write_config(self, run_dir: Path) -> None:
+        save_resolved(self.cfg, run_dir / "config.json")
 
-
-def diverged(state: TrainState, cfg: Config, run_dir: Path) -> NonFiniteError:
-    n, done = state.nonfinite_in_row, list_checkpoints(run_dir / "checkpoints")
-    last = f"; the last good checkpoint is {done[-1]}" if done else "; no checkpoint was saved yet"
-    return NonFiniteError(
-        f"{n} non-finite losses/gradients in a row (steps {state.step - n + 1}..{state.step}, "
-        f"train.max_nonfinite_in_row={cfg.train.max_nonfinite_in_row}): the run diverged{last}. "
-        "Lower optimizer.lr or check the data"
-    )
+    def finish(self, model: torch.nn.Module, run_dir: Path) -> None:
+        pass  # the stage (train/stages.py) summarises the run from its log
 
 
 def train(
@@ -198,136 +200,27 @@ def train(
     val_loader: Any = None,
     stop_after: int | None = None,
     progress: bool = True,
+    fresh: bool = False,
 ) -> TrainResult:
-    """Train (or resume) the run in run_dir up to cfg.train.max_steps.
-
-    loader/val_loader default to enlace.data.loaders.make_loader(cfg, "train"/"val"); tests pass their own.
-    stop_after: checkpoint and return after that many steps (tests: a run interrupted at a known step).
-    """
-    from tqdm import tqdm
-
-    t, hw = cfg.train, cfg.hardware
-    info = D.init_distributed(hw.device, t.world_size)
-    device = setup_runtime(hw)
-    run_dir = Path(run_dir)
-    log = MetricsLog(run_dir / "metrics.jsonl", enabled=info.is_main)
-    if loader is None or val_loader is None:
-        loader = loader or loaders_module.make_loader(
-            cfg, "train", rank=info.rank, world_size=info.world_size
-        )
-        val_loader = val_loader or loaders_module.make_loader(
-            cfg, "val", rank=info.rank, world_size=info.world_size
-        )
-    ident = run_identity(cfg, loader.fingerprint, info.world_size)
-
-    raw_model = init_model(cfg, device)
-    seed_everything(t.seed + info.rank)  # per-rank streams after the shared init (dropout, if any)
-    optimizer = build_optimizer(raw_model, t.optimizer, device.type)
-    state = TrainState(raw_model, optimizer, make_scaler(device, hw), device, loader)
-    resumed_from = resume(state, cfg, run_dir, ident, info)
-    if resumed_from is None:
-        log.reset()  # a log without any checkpoint belongs to a run that died before its first save
-    else:
-        # The final evaluation comes after the last checkpoint: a run resumed at the target redoes it.
-        log.truncate_after(resumed_from, keep_val_at_step=resumed_from != t.max_steps)
-
-    model: torch.nn.Module = torch.compile(raw_model) if hw.compile else raw_model
-    if info.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(model, device_ids=[info.local_rank] if device.type == "cuda" else None)
-    model.train()
-
-    settings = StepSettings(t.grad_accum_steps, t.optimizer.grad_clip, hw, info)
-    forward = functools.partial(lm_forward, accum=t.grad_accum_steps)
-    next_batch = functools.partial(next, micro_batches(loader, state.step, t.grad_accum_steps, device))
-    batch = next_batch()
-    tokens_per_step = t.global_batch_size * cfg.model.seq_len
-    # Validation: fixed windows spread over the whole val split, scored by the eval stage's own function.
-    val_windows = val_loader.val_windows(t.eval_batches * t.micro_batch_size) if info.is_main else None
-
-    def validate() -> dict[str, float | int]:
-        return evaluate(
-            raw_model, val_windows, batch_size=t.micro_batch_size, precision=lambda: precision(hw)
-        )
-
-    end_loss = val_loss = val_bpb = tok_s = None
-    interrupted = None
-
-    bar = tqdm(
-        total=t.max_steps, initial=state.step, disable=not (progress and info.is_main), dynamic_ncols=True
+    """Pretrain (or resume) the run in run_dir up to cfg.train.max_steps."""
+    r: RunResult = loop_module.run(
+        PretrainTask(cfg, loader, val_loader),
+        Path(run_dir),
+        cfg.hardware,
+        fresh=fresh,
+        progress=progress,
+        stop_after=stop_after,
     )
-    last_time, last_tokens = time.perf_counter(), state.tokens
-    try:
-        with StopFlag() as stop:
-            while state.step < t.max_steps:
-                lr = lr_at(t, state.step)
-                out, batch = train_step(state, model, batch, next_batch, forward, lr, settings)
-                state.tokens += tokens_per_step
-                step, end_loss = state.step, out.loss
-                if state.nonfinite_in_row >= t.max_nonfinite_in_row:
-                    raise diverged(state, cfg, run_dir)
-
-                if info.is_main and (step == 1 or step % t.log_every == 0 or step == t.max_steps):
-                    now = time.perf_counter()
-                    tok_s = (state.tokens - last_tokens) / max(now - last_time, 1e-9)
-                    last_time, last_tokens = now, state.tokens
-                    log.append(
-                        {
-                            "step": step,
-                            "loss": out.loss,
-                            **out.parts,
-                            "lr": out.lr,
-                            "grad_norm": out.grad_norm,
-                            "tokens": state.tokens,
-                            "tokens_per_s": round(tok_s, 1),
-                            "skipped": state.skipped,
-                        }
-                    )
-                bar.update(1)
-                bar.set_postfix(
-                    loss=f"{out.loss:.4f}", lr=f"{out.lr:.2e}", tok_s=f"{tok_s or 0:.0f}", refresh=False
-                )
-
-                if info.is_main and t.eval_every and step % t.eval_every == 0 and step != t.max_steps:
-                    v = validate()
-                    log.append({"step": step, "val_loss": v["loss"], "val_bpb": v["bpb"]})
-
-                stop_now = D.any_across(info, stop.signal is not None, device)
-                due = step % t.checkpoint.every == 0 or step in (t.max_steps, stop_after, pinned_step(cfg))
-                if due or stop_now:
-                    save(state, cfg, run_dir, ident, info)
-                if stop_now:
-                    interrupted = stop.signal or "SIGTERM"  # another rank got the signal
-                    if info.is_main:
-                        print(
-                            f"stopped by {interrupted} at step {step}; checkpoint saved to "
-                            f"{list_checkpoints(run_dir / 'checkpoints')[-1]}. Rerun the same command to continue",
-                            flush=True,
-                        )
-                    break
-                if step == stop_after:
-                    break
-    except SecondInterrupt:
-        raise abandoned(state.step, list_checkpoints(run_dir / "checkpoints")) from None
-    bar.close()
-
-    if state.step == t.max_steps and info.is_main:
-        v = validate()
-        val_loss, val_bpb = v["loss"], v["bpb"]
-        log.append(
-            {"step": state.step, "val_loss": val_loss, "val_bpb": val_bpb}
-            | {"val_tokens": v["tokens"], "val_bytes": v["bytes"]}
-        )
-    D.barrier(info)
+    val = r.val or {}
     return TrainResult(
-        run_dir=run_dir,
-        step=state.step,
-        end_loss=end_loss,
-        val_loss=val_loss,
-        val_bpb=val_bpb,
-        tokens_per_s=tok_s,
-        skipped=state.skipped,
-        interrupted=interrupted,
-        resumed_from=resumed_from,
+        run_dir=r.run_dir,
+        step=r.step,
+        end_loss=r.end_loss,
+        val_loss=val.get("val_loss"),
+        val_bpb=val.get("val_bpb"),
+        tokens_per_s=r.last.get("tokens_per_s"),
+        skipped=r.skipped,
+        interrupted=r.interrupted,
+        resumed_from=r.resumed_from,
+        exit_code=r.exit_code,
     )

@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from .. import paths
-from ..errors import EnlaceError
-from ..io import atomic_dir, atomic_write_json, sha256_file
-from ..model import Llama
-from . import sp_convert
-from .config import to_hf_config
-from .folder import WEIGHTS, load_hf_folder, save_hf_folder
+from . import paths
+from .errors import EnlaceError
+from .hf import sp_convert
+from .hf.config import to_hf_config
+from .hf.folder import WEIGHTS, load_hf_folder, save_hf_folder
+from .io import atomic_dir, atomic_write_json, sha256_file
+from .model import Llama
 
 DEFAULT_OUT = paths.RUNS / "export" / "hf"
 CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
@@ -161,7 +161,7 @@ def export_run(
     shards: Path = paths.SHARDS,
 ) -> dict[str, Any]:
     """The newest complete checkpoint of run_dir as a Hugging Face folder at out."""
-    from ..eval.evaluate import load_trained_model
+    from .eval.evaluate import load_trained_model
 
     if not Path(run_dir).is_dir():
         raise ExportError(f"--run-dir {run_dir}: no such folder")
@@ -212,8 +212,8 @@ def export_merged(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
     LoRA targets are attention and MLP projections only, so a tied embedding/head pair is never touched
     (merging into a tied lm_head would silently change the input embedding too: PEFT #2018).
     """
-    from ..finetune.lora import load_adapter, merge_and_unload
     from .load import check_model_folder
+    from .lora import load_adapter, merge_and_unload
 
     base = check_model_folder(Path(base))
     if not Path(adapter).is_dir():

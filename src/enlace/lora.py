@@ -19,9 +19,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
-from ..errors import EnlaceError
-from ..hf.folder import content_fingerprint
-from ..io import atomic_write_json, write_safetensors
+from .errors import EnlaceError
+from .hf.folder import content_fingerprint
+from .io import atomic_write_json, write_safetensors
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model

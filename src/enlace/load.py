@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import EnlaceError
-from .folder import load_hf_folder
-from .tokenizer import HFTokenizer
+from .errors import EnlaceError
+from .hf.folder import load_hf_folder
+from .hf.tokenizer import HFTokenizer
 
 
 def check_model_folder(model_dir: Path, flag: str = "--model") -> Path:
@@ -29,7 +29,7 @@ def load_for_generation(
     tok = HFTokenizer(model_dir)
     model = load_hf_folder(model_dir, device=device)
     if adapter_dir is not None:
-        from ..finetune.lora import load_adapter, set_merged
+        from .lora import load_adapter, set_merged
 
         load_adapter(model, Path(adapter_dir), str(model_dir))
         set_merged(model, True)

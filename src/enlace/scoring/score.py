@@ -2,7 +2,7 @@
 
 The trainer's in-run validation, the eval stage and the prose yardstick all call `evaluate`, so the same
 weights on the same windows give the same numbers everywhere. Windows carry the exact UTF-8 bytes their
-scored targets stand for (enlace.eval.token_bytes), so bits per byte is total bits over those bytes.
+scored targets stand for (enlace.scoring.token_bytes), so bits per byte is total bits over those bytes.
 
 Two ways to lay windows over tokens:
 - `spread_windows`: n windows of seq_len targets at evenly spaced starts over a whole split (validation),

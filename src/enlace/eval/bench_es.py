@@ -53,7 +53,7 @@ def run_bench(
     batch_size: int = 16,
 ) -> dict[str, Any]:
     """Accuracy and its standard error per task (and the pairs' size-weighted mean) for one model folder."""
-    from .load import check_model_folder
+    from ..load import check_model_folder
 
     model_dir = check_model_folder(Path(model_dir), "MODEL_DIR")
     if not (model_dir / "config.json").exists():

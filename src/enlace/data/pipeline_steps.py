@@ -183,6 +183,7 @@ class ExactDedup(PipelineStep):
         yield from ()
 
     def _run(self) -> None:
+        # Long: one streaming pass over the deduplicated documents that counts, caps and splits them; split up, the pass would need its state threaded through.
         heads = [read_keys(self.work, it)[:, :8].copy().view(">u8").ravel() for it in self.items]
         counts = np.array([len(h) for h in heads], dtype=np.int64)
         allh = np.concatenate(heads) if heads else np.zeros(0, dtype=">u8")

@@ -1,0 +1,17 @@
+"""The allowed values of the config's and the command line's choices, each defined once.
+
+A config field is typed with its alias (pydantic refuses anything else, naming the choices); code that needs
+the values as a tuple (argparse choices, error messages) takes `values(Alias)`.
+"""
+
+from typing import Literal, get_args
+
+DecayShape = Literal["linear", "cosine", "1-sqrt"]  # the WSD schedule's decay (train/schedule.py)
+OnIdentityChange = Literal["move", "delete"]  # what a changed run does with the old one
+TrainLoader = Literal["bytes", "shards"]  # bytes: the smoke stage's raw UTF-8; shards: `enlace shard` output
+InstructFormat = Literal["dolly", "chat"]  # instruction data rows (finetune/data.py)
+DecodeWeights = Literal["auto", "fp32", "bf16", "int8"]  # generation weights (generate.decode_weights)
+
+
+def values(alias: object) -> tuple[str, ...]:
+    return get_args(alias)
