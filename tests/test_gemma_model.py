@@ -145,8 +145,8 @@ def test_lora_merged_export_keeps_gemma_and_its_licence(tmp_path):
     from helpers import write_tokenizer
     from transformers import AutoModelForCausalLM
 
-    from enlace.lora import ALL_TARGETS, inject_lora, lora_modules, save_adapter
     from enlace.export import export_merged
+    from enlace.lora import ALL_TARGETS, inject_lora, lora_modules, save_adapter
 
     base = tmp_path / "base"
     vocab = write_tokenizer(base)

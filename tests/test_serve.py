@@ -71,8 +71,8 @@ def ours(project, messages, max_new):
     """What ENLACE's own generate() answers, greedy with the server's default repetition controls."""
     from enlace.finetune.chat import CHAT_SAMPLING
     from enlace.generate import decode_weights, generate
-    from enlace.load import load_for_generation
     from enlace.hf.tokenizer import StreamDecoder
+    from enlace.load import load_for_generation
 
     model, tok = load_for_generation(project / "base", project / "runs" / "finetune" / "adapter")
     decode_weights(model, "auto")

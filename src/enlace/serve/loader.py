@@ -59,8 +59,8 @@ class _RunStream:
 
 
 def _hf(model_dir: Path, adapter: Path | None, name: str, device: str) -> Served:
-    from ..load import load_for_generation
     from ..hf.tokenizer import StreamDecoder
+    from ..load import load_for_generation
 
     model, tok = load_for_generation(model_dir, adapter, device=device)
 
