@@ -35,8 +35,8 @@ def project(tmp_path_factory):
     args = ["finetune", "--params", str(ROOT / "params.yaml"), "--finetune", LAYER, "--model", str(base)]
     args += ["--data", str(train)]
     args += ["--val-data", str(val), "--steps", "3", "--batch", "2", "--max-len", "192", "--rank", "4"]
-    args += ["--out", str(root / "runs" / "finetune"), "--quiet", "--set", "finetune.warmup=1"]
-    args += ["--set", "finetune.lr=0.05", "--targets", "q_proj,v_proj"]
+    args += ["--out", str(root / "runs" / "finetune"), "--quiet", "--set", "finetune.schedule.warmup_steps=1"]
+    args += ["--set", "finetune.optimizer.lr=0.05", "--targets", "q_proj,v_proj"]
     assert main(args) == 0
     return root
 

@@ -21,6 +21,7 @@ from .errors import EnlaceError
 from .hf import sp_convert
 from .hf.config import to_hf_config
 from .hf.folder import WEIGHTS, load_hf_folder, save_hf_folder
+from .hf.gguf_import import LICENCE_FILES
 from .io import atomic_dir, atomic_write_json, sha256_file
 from .model import Llama
 
@@ -226,8 +227,6 @@ def export_merged(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
     bundle = folder_bundle(base)
     if (base / "tokenizer.model").exists():
         bundle.extra_files.append(base / "tokenizer.model")
-    from .gguf_import import LICENCE_FILES
-
     # Weights derived from a licensed base (Gemma's terms) carry its licence files with them.
     bundle.extra_files += [base / name for name in LICENCE_FILES if (base / name).exists()]
     write_folder(model, bundle, out)
