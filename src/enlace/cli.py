@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "enlace.finetune.commands",
     "enlace.hf.commands",
     "enlace.estimate",
+    "enlace.ablate.commands",
 ]
 
 
