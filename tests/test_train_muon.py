@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import checkpoint_digests, loaders_for, logged_losses, nan_at_steps, tiny_config
 from safetensors.torch import load_file
+from test_train_resume import assert_same_checkpoint, final
 
 from enlace.train.checkpoint import latest_checkpoint, list_checkpoints, step_dirname
 from enlace.train.optim import OptimizerChain, build_optimizer
@@ -25,19 +26,6 @@ def run(tmp, overrides=None, stop_after=None):
     cfg = tiny_config({**MUON, **(overrides or {})})
     tr, va = loaders_for(cfg)
     return train(cfg, tmp, loader=tr, val_loader=va, stop_after=stop_after, progress=False)
-
-
-def final(run_dir):
-    return list_checkpoints(run_dir / "checkpoints")[-1]
-
-
-def assert_same_checkpoint(a, b):
-    for name in ("model.safetensors", "optimizer.safetensors"):
-        ta, tb = load_file(str(a / name)), load_file(str(b / name))
-        assert ta.keys() == tb.keys()
-        for k in ta:
-            assert torch.equal(ta[k], tb[k]), f"{name}:{k} differs"
-    assert checkpoint_digests(a) == checkpoint_digests(b)
 
 
 def is_matrix(name: str) -> bool:
