@@ -65,6 +65,14 @@ serve: $(STAMP)
 gpu-check: $(STAMP)
 	$(BIN)/python -m enlace.gpu_check --out runs/gpu-check.json
 
+# Variants of the default run at equal wall time, tabled into docs/ablations.md (run it on a quiet machine):
+# the data stages first, then `make ablate` or `make ablate ABLATION=configs/ablations/NAME.yaml`.
+ABLATION ?= configs/ablations/muon.yaml
+.PHONY: ablate
+ablate: $(STAMP) system-deps
+	$(BIN)/dvc repro shard
+	$(BIN)/enlace ablate $(ABLATION) --docs docs/ablations.md
+
 # Containers: build the target for the GPU generation, then run the pipeline in it with the repo mounted.
 # The hardware profile is chosen by params.yaml's config.hardware, the one selector every stage reads
 # (DVC tracks it, so stages whose resolved config changes re-run and dvc.lock records the profile): the

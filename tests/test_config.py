@@ -47,6 +47,10 @@ INVALID = [
     (["model.colour=blue"], "model.colour", "unknown key"),
     (["train.optimizer.momentum=0.9"], "train.optimizer.momentum", "allowed: betas"),
     (["train.schedule.decay_shape=exp"], "train.schedule.decay_shape", "'linear', 'cosine' or '1-sqrt'"),
+    (["train.optimizer.name=sgd"], "train.optimizer.name", "'adamw' or 'muon'"),
+    (["train.optimizer.muon.momentum=1.0"], "train.optimizer.muon.momentum", "less than 1"),
+    (["train.optimizer.muon.ns_steps=0"], "train.optimizer.muon.ns_steps", "greater than or equal to 1"),
+    (["train.optimizer.muon.adjust_lr=none"], "train.optimizer.muon.adjust_lr", "'match_rms_adamw'"),
 ]
 
 

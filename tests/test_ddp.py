@@ -92,3 +92,21 @@ def test_config_world_size_must_match_env(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ConfigError, match="plans for 1 process.* WORLD_SIZE is 2"):
         init_distributed("cpu", 1)
+
+
+def test_two_processes_match_one_with_muon(tmp_path):
+    """Muon + AdamW under DDP: every rank orthogonalises the same all-reduced gradients."""
+    muon = {**BASE, "train.optimizer.name": "muon"}
+    single = config_from_dict(tiny_dict({**muon, "train.grad_accum_steps": 2}))
+    tr, va = loaders_for(single)
+    train(single, tmp_path / "single", loader=tr, val_loader=va, progress=False)
+    cfg_json = write_config(
+        tiny_dict({**muon, "train.grad_accum_steps": 1, "train.world_size": 2}), tmp_path / "ddp.json"
+    )
+    torchrun(cfg_json, tmp_path / "ddp")
+    a, b = final(tmp_path / "single"), final(tmp_path / "ddp")
+    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], atol=ATOL, rtol=0, msg=k)
+    oa, ob = load_file(str(a / "optimizer.safetensors")), load_file(str(b / "optimizer.safetensors"))
+    assert "model.layers.1.self_attn.o_proj.weight.momentum_buffer" in ob and oa.keys() == ob.keys()

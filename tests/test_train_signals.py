@@ -32,14 +32,27 @@ from enlace.train.trainer import train
 STEPS = {"train.max_steps": 40, "train.checkpoint.every": 5, "train.schedule.decay_steps": 10}
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """The uninterrupted run, in process."""
+# Muon + AdamW (two optimizers stepped as one): its momentum buffers must resume like AdamW's moments.
+MUON = {**STEPS, "train.optimizer.name": "muon"}
+
+
+def uninterrupted(tmp_path_factory, overrides):
     d = tmp_path_factory.mktemp("ref")
-    cfg = config_from_dict(tiny_dict(STEPS))
+    cfg = config_from_dict(tiny_dict(overrides))
     tr, va = loaders_for(cfg)
     train(cfg, d, loader=tr, val_loader=va, progress=False)
     return d
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, in process."""
+    return uninterrupted(tmp_path_factory, STEPS)
+
+
+@pytest.fixture(scope="module")
+def muon_reference(tmp_path_factory):
+    return uninterrupted(tmp_path_factory, MUON)
 
 
 def wait_for_step(proc, run_dir, step, timeout=60):
@@ -67,8 +80,10 @@ def assert_matches(reference, run_dir):
     assert logged_losses(reference) == logged_losses(run_dir)
 
 
-def test_sigkill_during_training(tmp_path, reference):
-    cfg_json = write_config(tiny_dict(STEPS), tmp_path / "cfg.json")
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_sigkill_during_training(tmp_path, request, optimizer):
+    reference = request.getfixturevalue({"adamw": "reference", "muon": "muon_reference"}[optimizer])
+    cfg_json = write_config(tiny_dict({"adamw": STEPS, "muon": MUON}[optimizer]), tmp_path / "cfg.json")
     run_dir = tmp_path / "run"
     p = spawn_trainer(cfg_json, run_dir)
     wait_for_step(p, run_dir, 12)

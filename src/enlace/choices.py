@@ -10,6 +10,8 @@ DecayShape = Literal["linear", "cosine", "1-sqrt"]  # the WSD schedule's decay (
 OnIdentityChange = Literal["move", "delete"]  # what a changed run does with the old one
 TrainLoader = Literal["bytes", "shards"]  # bytes: the smoke stage's raw UTF-8; shards: `enlace shard` output
 InstructFormat = Literal["dolly", "chat"]  # instruction data rows (finetune/data.py)
+OptimizerName = Literal["adamw", "muon"]  # adamw for everything, or muon for the hidden matrices
+MuonAdjustLr = Literal["original", "match_rms_adamw"]  # how torch.optim.Muon scales lr by matrix shape
 DecodeWeights = Literal["auto", "fp32", "bf16", "int8"]  # generation weights (generate.decode_weights)
 
 

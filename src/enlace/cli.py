@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "enlace.finetune.commands",
     "enlace.serve.commands",
     "enlace.hf.commands",
+    "enlace.ablate.commands",
 ]
 
 

@@ -5,12 +5,12 @@ from pydantic import Field, StrictFloat, StrictInt, field_validator
 from ..choices import DecayShape, InstructFormat
 from .base import Strict
 from .extra import GenerationConfig
-from .train import CheckpointConfig, OptimizerConfig, ScheduleConfig
+from .train import AdamWConfig, CheckpointConfig, ScheduleConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-class FinetuneOptimizer(OptimizerConfig):
+class FinetuneOptimizer(AdamWConfig):
     """AdamW on the adapters: LoRA tolerates ~10x the full fine-tuning rate (B starts at zero)."""
 
     lr: StrictFloat = Field(default=1e-3, gt=0)

@@ -2,12 +2,39 @@
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
-from ..choices import DecayShape, OnIdentityChange, TrainLoader
+from ..choices import DecayShape, MuonAdjustLr, OnIdentityChange, OptimizerName, TrainLoader
 from .base import Strict
 
 
-class OptimizerConfig(Strict):
-    """AdamW."""
+class MuonConfig(Strict):
+    """Muon (torch.optim.Muon) for the hidden 2-D weights when optimizer.name is "muon".
+
+    Muon orthogonalises each matrix's momentum (Newton-Schulz), so every update has about the same size
+    along every direction; that only makes sense for matrices that mix features, so embeddings, the head
+    and the norm gains stay on AdamW with the optimizer's own fields.
+    """
+
+    # The matrices' peak lr; the WSD schedule scales it like optimizer.lr. Orthogonalised updates have
+    # spectral norm about 1 whatever the gradient's scale, so this lr is an absolute step size, far above
+    # AdamW's (0.02 is the value Muon's author used).
+    lr: StrictFloat = Field(default=0.02, gt=0)
+    # EMA factor of the gradient the update orthogonalises; 1 would never take in a new gradient.
+    momentum: StrictFloat = Field(default=0.95, ge=0, lt=1)
+    nesterov: StrictBool = True  # orthogonalise the look-ahead mix of gradient and momentum
+    # Decoupled, per step: w *= 1 - lr * weight_decay with Muon's scheduled lr, so 0.1 here shrinks the
+    # matrices ~67x harder per step than AdamW's 0.1 at lr 3e-4. 0 (off) until the ablation table decides.
+    weight_decay: StrictFloat = Field(default=0.0, ge=0)
+    # Newton-Schulz iterations (each is 3 matmuls per matrix): 5 bring the singular values to about 0.5-1.5,
+    # close enough to 1 per Muon's author. More cost time; torch refuses 100 or more.
+    ns_steps: StrictInt = Field(default=5, ge=1, le=20)
+    # "original": lr * sqrt(max(1, rows/cols)); "match_rms_adamw": lr * 0.2 * sqrt(max(rows, cols)), the
+    # update RMS of AdamW, so AdamW's lr and weight decay carry over (then set lr near optimizer.lr).
+    adjust_lr: MuonAdjustLr = "original"
+
+
+class AdamWConfig(Strict):
+    """AdamW's settings: every parameter of a fine-tune's adapters, or of pretraining unless Muon takes the
+    hidden matrices."""
 
     lr: StrictFloat = Field(default=3e-4, gt=0)
     betas: tuple[StrictFloat, StrictFloat] = (0.9, 0.95)
@@ -15,7 +42,16 @@ class OptimizerConfig(Strict):
     weight_decay: StrictFloat = Field(default=0.1, ge=0)
     # Embeddings are looked up, not multiplied: decaying them mostly shrinks rare tokens.
     decay_embeddings: StrictBool = False
-    grad_clip: StrictFloat = Field(default=1.0, ge=0)  # 0 disables clipping
+    grad_clip: StrictFloat = Field(default=1.0, ge=0)  # 0 disables clipping (over all parameters)
+
+
+class OptimizerConfig(AdamWConfig):
+    """Pretraining's optimizer: AdamW's settings and the choice of Muon for the hidden matrices."""
+
+    # "adamw": AdamW for every parameter. "muon": Muon (the `muon` block) for the attention and MLP
+    # matrices, AdamW (the fields above) for embeddings, the head and the norms.
+    name: OptimizerName = "adamw"
+    muon: MuonConfig = MuonConfig()  # read only when name is "muon"
 
 
 class ScheduleConfig(Strict):

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..config.hardware import HardwareConfig
-from ..config.train import CheckpointConfig, OptimizerConfig, ScheduleConfig
+from ..config.train import AdamWConfig, CheckpointConfig, ScheduleConfig
 from ..errors import EnlaceError
 from ..runtime import setup_runtime
 from . import dist as D
@@ -52,7 +52,7 @@ class LoopSettings(Protocol):
     @property
     def grad_accum_steps(self) -> int: ...
     @property
-    def optimizer(self) -> OptimizerConfig: ...
+    def optimizer(self) -> AdamWConfig: ...
     @property
     def schedule(self) -> ScheduleConfig: ...
     @property

@@ -17,7 +17,7 @@ import math
 from typing import Protocol
 
 from ..choices import DecayShape, values
-from ..config.train import OptimizerConfig, ScheduleConfig
+from ..config.train import AdamWConfig, ScheduleConfig
 
 SHAPES = values(DecayShape)
 
@@ -59,7 +59,7 @@ class Scheduled(Protocol):
     @property
     def max_steps(self) -> int: ...
     @property
-    def optimizer(self) -> OptimizerConfig: ...
+    def optimizer(self) -> AdamWConfig: ...
     @property
     def schedule(self) -> ScheduleConfig: ...
 

@@ -27,8 +27,11 @@ from ..config.hardware import HardwareConfig
 from ..errors import CheckpointError
 from ..runtime import autocast, sdpa_backend
 from . import dist as D
+from .optim import Optimizer
 
 CHECKPOINT_FORMAT = 2
+# Optimizer group settings that torch keeps as tuples and JSON turns into lists (AdamW's, Muon's).
+TUPLE_KEYS = ("betas", "ns_coefficients")
 
 # forward(model, micro_batch) -> (this micro-batch's share of the step loss, {name: share of a logged part}).
 # The shares are already divided so that summing them over the step's micro-batches gives the step value.
@@ -108,12 +111,12 @@ def load_model_tensors(
         )
 
 
-def param_names(optimizer: torch.optim.Optimizer) -> list[str]:
+def param_names(optimizer: Optimizer) -> list[str]:
     """Names of the optimizer's parameters in state_dict index order (groups in order, params in order)."""
     return [n for g in optimizer.param_groups for n in g["param_names"]]
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
+def optimizer_tensors(optimizer: Optimizer) -> tuple[dict[str, torch.Tensor], list]:
     """Flatten optimizer state to {"<param name>.<state key>": tensor} plus JSON-able param groups."""
     names = param_names(optimizer)
     sd = optimizer.state_dict()
@@ -125,9 +128,7 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
     return flat, groups
 
 
-def load_optimizer_tensors(
-    optimizer: torch.optim.Optimizer, flat: dict[str, torch.Tensor], groups: list
-) -> None:
+def load_optimizer_tensors(optimizer: Optimizer, flat: dict[str, torch.Tensor], groups: list) -> None:
     index = {n: i for i, n in enumerate(param_names(optimizer))}
     state: dict[int, dict[str, torch.Tensor]] = {}
     for key, t in flat.items():
@@ -135,7 +136,7 @@ def load_optimizer_tensors(
         if pname not in index:
             raise CheckpointError(f"optimizer state for unknown parameter {pname}")
         state.setdefault(index[pname], {})[skey] = t
-    fixed = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in groups]
+    fixed = [{k: (tuple(v) if k in TUPLE_KEYS else v) for k, v in g.items()} for g in groups]
     optimizer.load_state_dict({"state": state, "param_groups": fixed})
 
 
@@ -147,7 +148,8 @@ class TrainState:
     """Everything that decides the following steps. `step` counts completed optimizer steps."""
 
     model: nn.Module  # the raw model (not a compiled or DDP wrapper): its names are the checkpoint's
-    optimizer: torch.optim.Optimizer  # parameter groups carry "param_names"
+    # AdamW, or Muon + AdamW as one OptimizerChain (train/optim.py); parameter groups carry "param_names"
+    optimizer: Optimizer
     scaler: torch.amp.GradScaler
     device: torch.device
     loader: Any = None  # anything with state_dict/load_state_dict; None for loaders without state
@@ -247,7 +249,7 @@ def train_step(
     opt, scaler, accum = state.optimizer, state.scaler, settings.accum
     ddp = settings.dist is not None and settings.dist.enabled
     for g in opt.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)  # a group's own peak (Muon's matrices), same schedule
     opt.zero_grad(set_to_none=True)
     loss_sum = torch.zeros((), device=state.device)
     part_sums: dict[str, torch.Tensor] = {}

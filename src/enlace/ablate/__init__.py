@@ -1,0 +1,1 @@
+"""`enlace ablate`: variants of one run trained for the same wall time, scored and tabled."""
