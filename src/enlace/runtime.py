@@ -52,17 +52,45 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_bf16_native(flags: frozenset[str] | None = None) -> str | None:
+def cpu_bf16_native(flags: frozenset[str] | None = None, capability: str | None = None) -> str | None:
     """The flag that makes bf16 native on this CPU, or None where bf16 would be emulated.
 
     oneDNN (PyTorch's CPU matmul library) also needs PyTorch to dispatch its AVX-512 kernels: a build or an
-    ATEN_CPU_CAPABILITY capped at AVX2 runs bf16 the slow way whatever the CPU has.
+    ATEN_CPU_CAPABILITY capped at AVX2 runs bf16 the slow way whatever the CPU has. flags and capability
+    default to this machine's (/proc/cpuinfo, torch.backends.cpu.get_cpu_capability()).
     """
     flags = cpu_flags() if flags is None else flags
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     found = next((f for f in BF16_CPU_FLAGS if f in flags), None)
-    if found is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if found is None or not capability.startswith("AVX512"):
         return None
     return found
+
+
+# oneDNN's bf16 kernels (the reorder and prepacked linear behind enlace.generate.PackedLinear) run only on
+# x86 CPUs with one of these instruction sets and raise a RuntimeError elsewhere, whatever PyTorch dispatches.
+# AVX2-only CPUs (most laptops, many cloud EPYCs) have neither.
+ONEDNN_BF16_ISAS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+
+
+def onednn_bf16_missing(flags: frozenset[str] | None = None) -> str | None:
+    """Why oneDNN's bf16 kernels cannot run here, as a clause for a one-line error; None where they can.
+
+    Default: oneDNN's own answer for this machine, which also sees ONEDNN_MAX_CPU_ISA. Given flags (a CPU's
+    /proc/cpuinfo flags), the answer for that CPU; only x86 CPUs (flags with sse2) are judged from flags.
+    """
+    need = " or ".join(", ".join(isa) for isa in ONEDNN_BF16_ISAS)
+    if flags is None:
+        if not torch.backends.mkldnn.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        flags = cpu_flags()
+        if any(all(f in flags for f in isa) for isa in ONEDNN_BF16_ISAS):
+            cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "the build")
+            return f"oneDNN's bf16 kernels need {need}, which ONEDNN_MAX_CPU_ISA={cap} turns off"
+        return f"oneDNN's bf16 kernels need {need}, which this CPU lacks (/proc/cpuinfo)"
+    if "sse2" not in flags or any(all(f in flags for f in isa) for isa in ONEDNN_BF16_ISAS):
+        return None
+    return f"oneDNN's bf16 kernels need {need}, which this CPU lacks (/proc/cpuinfo)"
 
 
 _CXX = os.environ.get("CXX", "g++")  # what torch.compile's CPU backend (inductor) calls

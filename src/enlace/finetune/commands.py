@@ -112,12 +112,13 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from ..generate import check_sampling, decode_weights
+    from ..generate import check_sampling, decode_weights, resolve_decode_weights
     from ..hf.load import load_for_generation
     from .chat import chat_repl
 
     sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
     check_sampling(max_new_tokens=args.max_new_tokens, **sampling)  # before the model loads
+    resolve_decode_weights(args.weights)  # weights this CPU cannot run, too
     if hasattr(sys.stdin, "reconfigure"):
         # Bad bytes become lone surrogates line by line (a strict decoder fails a whole buffered chunk
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.
