@@ -26,13 +26,14 @@ def _config_check(args: argparse.Namespace) -> int:
 
 def _hardware_check(args: argparse.Namespace) -> int:
     from .cli import load_cfg
-    from .runtime import check_device
+    from .runtime import check_device, resolve_hardware
 
     cfg = load_cfg(args, layers=("hardware",))
     info = check_device(cfg.hardware, cfg.files["hardware"])
+    hw = resolve_hardware(cfg.hardware)  # what a run resolves `auto` to on this machine
     print(
         json.dumps(
-            {"profile": cfg.hardware.name, "dtype": cfg.hardware.dtype, "ok": True, **info.to_dict()},
+            {"profile": hw.name, "dtype": hw.dtype, "compile": hw.compile, "ok": True, **info.to_dict()},
             indent=2,
         )
     )

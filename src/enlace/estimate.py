@@ -189,6 +189,9 @@ def estimate_training_memory(
 ) -> MemoryEstimate:
     """Predicted peak memory of one training step of `model` on `hw` with this micro-batch."""
     from .model import closed_form_num_parameters
+    from .runtime import resolve_hardware
+
+    hw = resolve_hardware(hw)  # `dtype: auto`: the precision a run on this CPU trains in
 
     t = seq_len or model.seq_len
     n = closed_form_num_parameters(model)
@@ -324,8 +327,9 @@ def format_estimate(est: MemoryEstimate) -> str:
 
 def _estimate_command(args: argparse.Namespace) -> int:
     from .cli import load_cfg
+    from .runtime import resolve_run
 
-    cfg = load_cfg(args, layers=("hardware", "model", "train"), stage=args.stage)
+    cfg = resolve_run(load_cfg(args, layers=("hardware", "model", "train"), stage=args.stage)).cfg
     model, hw, train = cfg.layers["model"], cfg.layers["hardware"], cfg.layers["train"]
     mb = args.micro_batch or train.micro_batch_size
     est = estimate_training_memory(model, hw, mb, args.seq_len)

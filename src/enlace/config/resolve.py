@@ -198,7 +198,9 @@ def _validation_error(
     e: ValidationError, layer: str, provenance: dict[str, str], default: str
 ) -> ConfigError:
     err = e.errors(include_url=False)[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("deb", "url", "hf", "local")))
+    # Union members' tags are not keys: data sources' kinds, and `compile: true|false|auto`'s bool.
+    tags = ("deb", "url", "hf", "local", "bool", "literal['auto']")
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in tags))
     path = ".".join([layer, *map(str, loc)])
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
@@ -313,7 +315,10 @@ def load_config(
 
     cfg = Config(layers=built, provenance=provenance, files=files, eval=ev)
     if check_cross:
+        from .kinds import check_kinds  # kinds builds on this module
+
         cross_layer_checks(cfg)
+        check_kinds(cfg)
     return cfg
 
 

@@ -14,9 +14,10 @@ from ..errors import EnlaceError
 
 def _eval(args: argparse.Namespace) -> int:
     from ..cli import load_cfg
+    from ..runtime import resolve_run
     from .evaluate import read_prose, run_eval, score_model_dir
 
-    cfg = load_cfg(args)
+    cfg = resolve_run(load_cfg(args)).cfg  # as the run it scores was resolved on this CPU
     if args.prose:
         cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": args.prose}))
     if args.model_dir:

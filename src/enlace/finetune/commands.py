@@ -81,10 +81,14 @@ def _import_gguf(args: argparse.Namespace) -> int:
 def _finetune(args: argparse.Namespace) -> int:
     from ..config import save_resolved
     from ..hf.load import check_model_folder
+    from ..runtime import resolve_run
     from ..train.lock import run_dir_lock
     from .train import finetune
 
-    cfg = load_finetune_cfg(args)
+    # Resolved once, at the start: dtype, compile and the CPU kind's recipe (docs/cpu-kinds.md).
+    resolved = resolve_run(load_finetune_cfg(args))
+    print(resolved.line(), flush=True)
+    cfg = resolved.cfg
     check_model_folder(Path(cfg.finetune.base_model))
     out = Path(cfg.finetune.out)
     with run_dir_lock(out):  # before anything is written into the run folder
@@ -96,9 +100,10 @@ def _finetune(args: argparse.Namespace) -> int:
 
 def _finetune_eval(args: argparse.Namespace) -> int:
     from ..hf.load import check_model_folder
+    from ..runtime import resolve_run
     from .evaluate import finetune_eval
 
-    cfg = load_finetune_cfg(args)
+    cfg = resolve_run(load_finetune_cfg(args)).cfg  # as `enlace finetune` resolved it on this CPU
     check_model_folder(Path(cfg.finetune.base_model))
     r = finetune_eval(cfg.finetune, cfg.hardware, Path(args.adapter) if args.adapter else None)
     for a in r["answers"]:

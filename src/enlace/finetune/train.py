@@ -27,7 +27,7 @@ from ..hf import folder as hf_module
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import sha256_file
-from ..runtime import setup_runtime
+from ..runtime import resolve_hardware, setup_runtime
 from ..train import schedule as schedule_module
 from ..train import step as step_module
 from ..train.checkpoint import clean_partial, latest_checkpoint, list_checkpoints, save_checkpoint
@@ -109,7 +109,7 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
         {
             "data.fingerprint": sha256_file(Path(cfg.train_data))[:16],
             "base.fingerprint": base_fingerprint(Path(cfg.base_model)),
-            "hardware.dtype": hw.dtype,
+            "hardware.dtype": resolve_hardware(hw).dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": hw.loss_scaler,
             "code": code_fingerprint(STEP_CODE),
         }
@@ -172,6 +172,7 @@ def finetune(
     cfg: FinetuneConfig, hw: HardwareConfig, fresh: bool = False, progress: bool = True
 ) -> FinetuneResult:
     """Train (or resume) the adapter run in cfg.out; one process per run folder."""
+    hw = resolve_hardware(hw)  # `dtype: auto` decided for this CPU (a no-op where the caller did)
     with run_dir_lock(Path(cfg.out)):
         return _finetune(cfg, hw, fresh, progress)
 

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 
 from .. import model as model_module
+from ..config.kinds import applied_recipe
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
 from ..errors import EnlaceError
 from ..eval.score import evaluate, precision
 from ..model import Llama
-from ..runtime import setup_runtime
+from ..runtime import resolve_run, setup_runtime
 from . import dist as D
 from . import optim as optim_module
 from . import schedule as schedule_module
@@ -83,17 +84,21 @@ class TrainResult:
 
 
 def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIdentity:
+    cfg = resolve_run(cfg).cfg  # the values the run trains with, the CPU kind's included
     d = cfg.to_dict()
     keys = weight_keys({s: d[s] for s in ("model", "data", "train")}, CADENCE_KEYS)
     keys.update(
         {
             "data.fingerprint": data_fingerprint,
             "world_size": world_size,
-            "hardware.dtype": cfg.hardware.dtype,
+            "hardware.dtype": cfg.hardware.dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": cfg.hardware.loss_scaler,
             "code": code_fingerprint(STEP_CODE),
         }
     )
+    recipe = applied_recipe(cfg)
+    if recipe:  # the CPU kind chose these values (their effect is in the keys above; this says why)
+        keys["hardware.recipe"] = f"{cfg.hardware.name} {cfg.hardware.dtype}: " + ", ".join(recipe)
     return RunIdentity(keys, steps_key="train.max_steps")
 
 
@@ -206,6 +211,7 @@ def train(
     """
     from tqdm import tqdm
 
+    cfg = resolve_run(cfg).cfg  # a no-op where the caller resolved it (enlace pretrain, smoke)
     t, hw = cfg.train, cfg.hardware
     info = D.init_distributed(hw.device, t.world_size)
     device = setup_runtime(hw)
