@@ -110,6 +110,15 @@ def test_auto_stays_in_the_config_and_the_run_resolves_it(cpu):
     assert smoke.recipe == {} and smoke.cfg.hardware.compile is False and smoke.cfg.hardware.dtype == "fp32"
 
 
+def test_the_fine_tune_takes_its_kinds_recipe_too():
+    cfg = load_config(ROOT / "params.yaml", layers=("hardware", "finetune"))
+    fp32 = runtime.resolve_run(cfg, AVX2_ONLY, "AVX2")
+    bf16 = runtime.resolve_run(cfg, NATIVE, "AVX512")
+    assert bf16.cfg.finetune == cfg.finetune and bf16.recipe == {}
+    assert fp32.cfg.finetune.steps == fp32.recipe["finetune.steps"] < cfg.finetune.steps
+    assert "recipe for finetune smollm2-es: finetune.steps=" in fp32.line()
+
+
 def test_a_dtype_set_by_hand_on_cpu_auto_takes_its_kinds_compile_and_no_recipe():
     cfg = load_config(ROOT / "params.yaml", overrides=["hardware.dtype=fp32"])
     r = runtime.resolve_run(cfg, NATIVE, "AVX512")
