@@ -96,8 +96,10 @@ def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIden
             "code": code_fingerprint(STEP_CODE),
         }
     )
-    recipe = applied_recipe(cfg)
-    if recipe:  # the CPU kind chose these values (their effect is in the keys above; this says why)
+    # The CPU kind chose these values (their effect is in the keys above; this says why). Cadence keys stay
+    # out, as above: changing them by hand must not make another run.
+    recipe = [k for k in applied_recipe(cfg) if k in keys]
+    if recipe:
         keys["hardware.recipe"] = f"{cfg.hardware.name} {cfg.hardware.dtype}: " + ", ".join(recipe)
     return RunIdentity(keys, steps_key="train.max_steps")
 
