@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from bench.common import RESULTS, format_table, machine
+from bench.common import RESULTS, cpu_description, format_table, machine
 
 # benchmark module -> its bench/results/<name>.json
 BENCHMARKS = {
@@ -46,6 +46,9 @@ def main() -> int:
         return 0
     only = sys.argv[1:] or list(BENCHMARKS)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ENLACE_NO_PROGRESS": "1"}
+    # Every figure below is this CPU's, in the precision named beside it; by default the benchmarks run in
+    # the precision the default run trains in here (bf16 where the CPU has it natively, else fp32).
+    print(f"cpu: {cpu_description()}", flush=True)
     finals: list[str] = []
     failed = []
     rows: list[dict] = []
@@ -68,6 +71,7 @@ def main() -> int:
     print("\n=== summary")
     print("\n".join(finals))
     print("\n=== goals (ratios are peer time / ours; shared machine, so interleaved medians of a noisy run)")
+    print(f"cpu: {cpu_description()}")
     print(format_table(rows))
     (RESULTS / "summary.json").write_text(
         json.dumps({"machine": machine(), "rows": rows, "failed": failed}, indent=2) + "\n"

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import format_row, goal_row, write_result
+from bench.common import cpu_tag, default_precision, format_row, goal_row, write_result
 from enlace.config import load_config
 from enlace.finetune.data import load_dataset
 from enlace.finetune.evaluate import heldout_loss
@@ -27,6 +27,12 @@ PROFILES = {"fp32": "cpu", "bf16": "cpu-bf16"}
 
 
 def main() -> int:
+    if default_precision() != "bf16" and os.environ.get("BENCH_PRECISIONS") is None:
+        # bf16 would be emulated here (hours, and not what the default run trains in): nothing to compare.
+        print(f"skipped: the bf16-vs-fp32 comparison needs native bf16, which {cpu_tag()} lacks; "
+              "BENCH_PRECISIONS=bf16 forces it", flush=True)  # fmt: skip
+        write_result("lora_quality", {"skipped": "no native bf16", "rows": []})
+        return 0
     steps = os.environ.get("BENCH_LORA_STEPS")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="enlace-bench-lora-q-") as tmp:

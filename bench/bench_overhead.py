@@ -16,6 +16,7 @@ from pathlib import Path
 
 from bench.common import goal_row, write_result
 from enlace.config import load_config
+from enlace.runtime import resolve_run
 from enlace.train.trainer import train
 
 STEPS = int(os.environ.get("BENCH_OVERHEAD_STEPS", 20))
@@ -37,7 +38,7 @@ def main() -> int:
         "train.eval_every=0",
         f"train.checkpoint.every={STEPS}",
     ]
-    cfg = load_config("params.yaml", overrides=overrides)
+    cfg = resolve_run(load_config("params.yaml", overrides=overrides)).cfg  # as a run on this CPU resolves it
     with tempfile.TemporaryDirectory() as run_dir:
         prof = cProfile.Profile()
         prof.enable()

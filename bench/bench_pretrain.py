@@ -1,8 +1,9 @@
 """Pretraining step (forward, backward, clip, AdamW): ENLACE vs transformers' LlamaForCausalLM.
 
-Same shapes, same random tokens, same optimizer settings, same precision on both sides: by default bf16
-autocast with fp32 master weights and AdamW state (the `cpu-bf16` profile), the CPU's native fast path;
-BENCH_PRECISIONS=fp32,bf16 adds the fp32 reference. For the comparison QK-norm and z-loss are off in
+Same shapes, same random tokens, same optimizer settings, same precision on both sides: by default the
+precision the default run trains in on this CPU (cpu-auto: bf16 autocast with fp32 master weights and AdamW
+state where bf16 is native, else fp32), compiled too where that run compiles; BENCH_PRECISIONS=fp32,bf16 and
+BENCH_COMPILE=1/0 choose. For the comparison QK-norm and z-loss are off in
 ENLACE's model, since LlamaForCausalLM has neither. ENLACE's side runs the trainer's autocast and optimizer.
 The process has the trainer's CPU allocator setting (enlace.runtime.keep_freed_memory): it applies to the
 whole process, so the peer gets it too.
@@ -23,6 +24,8 @@ import torch
 from bench.common import (
     alternate,
     check_mfu,
+    default_compile,
+    default_precision,
     format_row,
     goal_row,
     line,
@@ -149,9 +152,11 @@ def bench_shape(name: str, seq: int, batch: int, precision: str, rounds: int, co
 def main() -> int:
     rounds = int(os.environ.get("BENCH_ROUNDS", 3))
     keep_freed_memory()  # as setup_runtime does for a CPU run
-    compile_too = os.environ.get("BENCH_COMPILE", "1") != "0"
+    # Compiled contenders where the default run compiles on this CPU (the fp32 kind trains eager).
+    compile_too = os.environ.get("BENCH_COMPILE", "1" if default_compile() else "0") != "0"
     shapes = SHAPES[: int(os.environ.get("BENCH_SHAPES", 2))]
-    precisions = os.environ.get("BENCH_PRECISIONS", "bf16").split(",")
+    # Default: the precision the default run trains in on this CPU (cpu-auto's kind: bf16 or fp32).
+    precisions = os.environ.get("BENCH_PRECISIONS", default_precision()).split(",")
     train_cfg = load_config("params.yaml", layers=("train",)).train
     peaks = {p: matmul_peak_gflops(p) for p in precisions}
     for p, pk in peaks.items():
@@ -184,8 +189,8 @@ def main() -> int:
                     f"{label} step", ours, f"transformers compiled {p}", ratio_c, ">=", GOALS["compiled"]
                 )
             )
-        if p == "bf16":
-            rows.append(goal_row(f"{label} MFU vs bf16 peak", ours, f"peak {peaks[p]['gflops']:.0f} GFLOP/s",
+        if p in ("bf16", "fp32"):
+            rows.append(goal_row(f"{label} MFU vs {p} peak", ours, f"peak {peaks[p]['gflops']:.0f} GFLOP/s",
                                  st[best]["mfu"] * 100, ">=", GOALS["mfu"] * 100, "%"))  # fmt: skip
     by = {(r["precision"], r["shape"]["model"], r["shape"]["seq"]): r for r in results}
     for (p, model, seq), r in by.items():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 from collections.abc import Callable
 from pathlib import Path
@@ -57,9 +56,48 @@ def check_mfu(mfu: float, what: str, peak: dict[str, Any]) -> float:
     return mfu
 
 
+# The instruction sets that decide a CPU's kind here (docs/cpu-kinds.md), as /proc/cpuinfo spells them.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_tag() -> str:
+    """The CPU beside every figure: model, the ISA flags that decide its kind, what PyTorch dispatches."""
+    from enlace.runtime import cpu_flags, cpu_model
+
+    flags = cpu_flags()
+    isa = " ".join(f if f in flags else f"no-{f}" for f in ISA_FLAGS)
+    return f"{cpu_model()} [{isa}; torch {torch.backends.cpu.get_cpu_capability()}]"
+
+
+def cpu_description() -> str:
+    """cpu_tag and the precision the default run trains in here (cpu-auto), for a benchmark's first line."""
+    return f"{cpu_tag()}, default run in {default_precision()}"
+
+
+def default_precision() -> str:
+    """BENCH_PRECISIONS' default: the precision the default run (cpu-auto) trains in on this CPU."""
+    from enlace.runtime import resolve_cpu_dtype
+
+    return resolve_cpu_dtype()
+
+
+def default_compile() -> bool:
+    """Whether the default run (cpu-auto) compiles on this CPU."""
+    from enlace.config import load_config
+    from enlace.runtime import resolve_hardware
+
+    hw = load_config(Path(__file__).parents[1] / "params.yaml", layers=("hardware",)).hardware
+    return bool(resolve_hardware(hw).compile)
+
+
 def machine() -> dict[str, Any]:
+    from enlace.runtime import cpu_flags, cpu_model, resolve_cpu_dtype
+
     return {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
+        "isa": {f: f in cpu_flags() for f in ISA_FLAGS},
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "default_dtype": resolve_cpu_dtype(),
         "threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
@@ -67,6 +105,8 @@ def machine() -> dict[str, Any]:
 
 
 def line(name: str, ours: dict[str, float], peer: dict[str, float], peer_name: str, unit: str = "s") -> str:
+    """One measured comparison; `name` carries the precision, the CPU is printed once per benchmark
+    (bench/__main__.py) and recorded with every row and result."""
     ratio = peer["median_s"] / ours["median_s"]
     return (
         f"{name}: enlace {ours['median_s']:.3f}{unit} [{ours['min_s']:.3f}-{ours['max_s']:.3f}]  "
@@ -92,7 +132,7 @@ def goal_row(
     """
     ok = value >= goal if op == ">=" else value <= goal
     return {"what": what, "ours": ours, "peer": peer, "value": value, "op": op, "goal": goal, "unit": unit,
-            "ok": ok, "note": note}  # fmt: skip
+            "ok": ok, "note": note, "cpu": cpu_tag()}  # fmt: skip
 
 
 def fmt_value(value: float, unit: str) -> str:
@@ -102,7 +142,8 @@ def fmt_value(value: float, unit: str) -> str:
 def format_row(r: dict[str, Any]) -> str:
     goal = f"{r['op']} {fmt_value(r['goal'], r['unit'])}"
     mark = "ok" if r["ok"] else "MISSED"
-    return f"{r['what']}: {r['ours']} vs {r['peer']}: {fmt_value(r['value'], r['unit'])} (goal {goal}) {mark}"
+    cpu = f" on {r['cpu']}" if r.get("cpu") else ""  # rows written before the CPU was recorded have none
+    return f"{r['what']}: {r['ours']} vs {r['peer']}: {fmt_value(r['value'], r['unit'])} (goal {goal}) {mark}{cpu}"
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import checkpoint_digests, loaders_for, synthetic_text, tiny_config
 
 from enlace import runtime
 from enlace.cli import main
 from enlace.config import load_config
+from enlace.errors import ConfigError
 from enlace.train.checkpoint import list_checkpoints, load_checkpoint
 from enlace.train.trainer import train
 
@@ -69,16 +71,135 @@ def test_hardware_check_refuses_emulated_bf16(cpu, capsys):
     assert out["dtype"] == "bf16" and "bf16 native: avx512_bf16" in out["name"]
 
 
-def test_auto_resolves_at_config_time_and_is_recorded(cpu):
+AVX2_ONLY = frozenset({"sse2", "avx", "avx2", "fma"})  # most laptops and many cloud EPYCs
+
+
+def test_auto_stays_in_the_config_and_the_run_resolves_it(cpu):
+    # The config layer never looks at the machine: the same config and hash on every CPU.
     cpu(NATIVE)
-    native = load_config(ROOT / "params.yaml", layers=("hardware",), select={"hardware": "cpu-auto"})
+    native = load_config(ROOT / "params.yaml")
     cpu(NO_BF16)
-    plain = load_config(ROOT / "params.yaml", layers=("hardware",), select={"hardware": "cpu-auto"})
-    assert native.hardware.dtype == "bf16" and plain.hardware.dtype == "fp32"
-    assert native.to_dict()["hardware"]["dtype"] == "bf16"
-    assert native.hash != plain.hash  # the precision is part of the run's identity
-    # The default pipeline selects cpu-auto.
-    assert load_config(ROOT / "params.yaml", layers=("hardware",)).hardware.name == "cpu-auto"
+    plain = load_config(ROOT / "params.yaml")
+    assert native.hash == plain.hash and native.hardware.dtype == "auto" and native.hardware.compile == "auto"
+    assert native.hardware.name == "cpu-auto"  # the default pipeline selects cpu-auto
+    # The run resolves it: the CPU (passed in here, this machine's by default) chooses dtype, compile, recipe.
+    bf16 = runtime.resolve_run(native, NATIVE, "AVX512")
+    fp32 = runtime.resolve_run(native, AVX2_ONLY, "AVX2")
+    assert (bf16.kind, bf16.cfg.hardware.dtype, bf16.cfg.hardware.compile) == ("bf16", "bf16", True)
+    assert (fp32.kind, fp32.cfg.hardware.dtype, fp32.cfg.hardware.compile) == ("fp32", "fp32", False)
+    # The bf16 kind trains the layer files' recipe, unchanged; the fp32 kind its own shorter one.
+    assert bf16.recipe == {} and bf16.cfg.to_dict()["train"] == native.to_dict()["train"]
+    assert bf16.cfg.to_dict()["model"] == native.to_dict()["model"]
+    assert fp32.recipe["train.max_steps"] == fp32.cfg.train.max_steps < native.train.max_steps
+    assert fp32.cfg.provenance["train.max_steps"] == "configs/hardware/cpu-auto.yaml (kinds.fp32)"
+    assert fp32.cfg.to_dict()["model"] == native.to_dict()["model"]
+    assert bf16.cfg.hash != fp32.cfg.hash  # what a run records is what it ran
+    assert "the fp32 CPU kind: fp32, eager; the fp32 kind's recipe for train cpu-small: " in fp32.line()
+    assert "train.max_steps=" in fp32.line() and "PyTorch AVX2" in fp32.line()
+    assert "the bf16 CPU kind: bf16, compiled; train cpu-small as configured" in bf16.line()
+    # Resolving a resolved config changes nothing; the same CPU gives the same config.
+    again = runtime.resolve_run(fp32.cfg, NATIVE, "AVX512")
+    assert again.cfg == fp32.cfg and again.recipe == fp32.recipe and again.kind == "fp32"
+    assert runtime.resolve_run(native, AVX2_ONLY, "AVX2").cfg.hash == fp32.cfg.hash
+    # What a user sets wins over the kind's recipe; the smoke stage's layers take the recipe named for them.
+    mine = load_config(ROOT / "params.yaml", overrides=["train.max_steps=1000", "hardware.compile=true"])
+    mine = runtime.resolve_run(mine, AVX2_ONLY, "AVX2")
+    assert mine.cfg.train.max_steps == 1000 and mine.cfg.hardware.compile is True
+    assert "train.max_steps" not in mine.recipe and "train.schedule.decay_steps" in mine.recipe
+    smoke = runtime.resolve_run(load_config(ROOT / "params.yaml", stage="smoke"), AVX2_ONLY, "AVX2")
+    assert (
+        smoke.cfg.hardware.compile is False and smoke.cfg.hardware.dtype == "fp32"
+    )  # params.yaml's smoke.set
+    assert smoke.recipe["train.max_steps"] == smoke.cfg.train.max_steps < 300  # the smoke layer's own recipe
+    assert "train.seed" not in smoke.recipe and smoke.cfg.train.seed == 1337
+
+
+def test_the_fine_tune_takes_its_kinds_recipe_too():
+    cfg = load_config(ROOT / "params.yaml", layers=("hardware", "finetune"))
+    fp32 = runtime.resolve_run(cfg, AVX2_ONLY, "AVX2")
+    bf16 = runtime.resolve_run(cfg, NATIVE, "AVX512")
+    assert bf16.cfg.finetune == cfg.finetune and bf16.recipe == {}
+    assert fp32.cfg.finetune.max_steps == fp32.recipe["finetune.max_steps"] < cfg.finetune.max_steps
+    assert "recipe for finetune smollm2-es: finetune.max_steps=" in fp32.line()
+
+
+def test_a_dtype_set_by_hand_on_cpu_auto_takes_its_kinds_compile_and_no_recipe():
+    cfg = load_config(ROOT / "params.yaml", overrides=["hardware.dtype=fp32"])
+    r = runtime.resolve_run(cfg, NATIVE, "AVX512")
+    assert r.cfg.hardware.dtype == "fp32" and r.cfg.hardware.compile is False and r.recipe == {}
+    assert r.cfg.train == cfg.train and runtime.resolve_run(r.cfg).cfg == r.cfg
+    assert runtime.resolve_hardware(cfg.hardware, NATIVE, "AVX512").compile is False
+
+
+def test_profiles_that_name_their_dtype_resolve_to_themselves():
+    cfg = load_config(ROOT / "params.yaml", select={"hardware": "cpu-bf16"})
+    r = runtime.resolve_run(cfg, AVX2_ONLY, "AVX2")
+    assert r.cfg is cfg and r.kind is None and r.line() == "hardware: cpu-bf16 (cpu): bf16, compiled"
+    assert runtime.resolve_hardware(cfg.hardware, AVX2_ONLY, "AVX2") is cfg.hardware
+
+
+def _hardware_file(tmp_path, kinds: str, extra: str = "") -> Path:
+    (tmp_path / "hw.yaml").write_text(
+        f"name: k\ndevice: cpu\ndtype: auto\ncompile: auto\n{extra}kinds:\n{kinds}", encoding="utf-8"
+    )
+    return tmp_path / "hw.yaml"
+
+
+@pytest.mark.parametrize(
+    "kinds,extra,where,message",
+    [
+        # a recipe that breaks the cross-layer checks fails on every machine, naming where it came from
+        (
+            "  bf16: {compile: true}\n  fp32: {compile: false, recipes: {cpu-small: {train.max_steps: 50}}}\n",
+            "",
+            "hw.yaml: kinds.fp32.recipes.cpu-small: gives configs/train/cpu-small.yaml: train.schedule.decay_steps",
+            "exceeds max_steps (50)",
+        ),
+        (
+            "  bf16: {compile: true}\n  fp32: {compile: false, recipes: {cpu-small: {train.nope: 1}}}\n",
+            "",
+            "hw.yaml: kinds.fp32.recipes.cpu-small",
+            "train.nope: Extra inputs are not permitted",
+        ),
+        (
+            "  bf16: {compile: true}\n  fp32: {compile: false, recipes: {cpu-small: {data.name: x}}}\n",
+            "",
+            "hw.yaml: hardware",
+            "a recipe sets model.KEY, train.KEY or finetune.KEY values only",
+        ),
+        (
+            "  bf16: {compile: true}\n",
+            "",
+            "hw.yaml: hardware",
+            "declare every CPU kind (bf16, fp32); missing fp32",
+        ),
+        ("  bf16: {compile: true}\n  fp32: {compile: false}\n", "", None, None),
+    ],
+)
+def test_kinds_are_checked_when_the_config_is_read(tmp_path, kinds, extra, where, message):
+    hw = _hardware_file(tmp_path, kinds, extra)
+    if where is None:
+        load_config(ROOT / "params.yaml", select={"hardware": str(hw)})
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config(ROOT / "params.yaml", select={"hardware": str(hw)})
+    assert where in str(e.value) and message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("name: k\ndevice: cpu\ndtype: fp32\ncompile: auto\n", "compile: auto takes its value from kinds"),
+        (
+            "name: k\ndevice: cuda\ndtype: fp32\nkinds: {bf16: {compile: true}, fp32: {compile: false}}\n",
+            "kinds: CPU kinds are for device cpu",
+        ),
+    ],
+)
+def test_auto_compile_needs_kinds_and_kinds_a_cpu(tmp_path, body, message):
+    (tmp_path / "hw.yaml").write_text(body, encoding="utf-8")
+    with pytest.raises(ConfigError, match=message):
+        load_config(ROOT / "params.yaml", select={"hardware": str(tmp_path / "hw.yaml")})
 
 
 def test_auto_is_cpu_only(cpu, capsys):
@@ -102,10 +223,17 @@ def test_bf16_training_is_deterministic_and_differs_from_fp32(tmp_path):
 
 
 @pytest.mark.parametrize("flags,precision", [(NATIVE, "bf16"), (NO_BF16, "fp32")])
-def test_default_pipeline_trains_in_the_resolved_precision(cpu, tmp_path, monkeypatch, flags, precision):
+def test_default_pipeline_trains_in_the_resolved_precision(
+    cpu, tmp_path, monkeypatch, capsys, flags, precision
+):
     cpu(flags)
     shutil.copy(ROOT / "params.yaml", tmp_path / "params.yaml")
     shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    # The real cpu-auto profile, its fp32 kind given a recipe for the train layer this test runs.
+    hw_file = tmp_path / "configs/hardware/cpu-auto.yaml"
+    hw = yaml.safe_load(hw_file.read_text())
+    hw["kinds"]["fp32"]["recipes"]["smoke"]["train.seed"] = 7
+    hw_file.write_text(yaml.safe_dump(hw))
     corpus = tmp_path / "data" / "corpus"
     corpus.mkdir(parents=True)
     text = synthetic_text(40_000).decode()
@@ -119,13 +247,30 @@ def test_default_pipeline_trains_in_the_resolved_precision(cpu, tmp_path, monkey
         "--set", "train.max_steps=4", "--set", "train.checkpoint.every=2",
         "--set", "train.schedule.warmup_steps=1", "--set", "train.schedule.decay_steps=1",
         "--set", "train.micro_batch_size=2", "--set", "train.global_batch_size=4", "--set", "train.eval_batches=1",
+        # Eager on both kinds: what each kind compiles is checked above (resolve_run) and compiled bf16 training
+        # below; compiling here costs minutes on 2 cores and crashes under the AVX2 approximation (inductor).
+        "--set", "hardware.compile=false",
     ]  # fmt: skip
     args = ["pretrain", "--no-progress", "--run-dir", "out/p", "--model", "smoke", "--train", "smoke", *tiny]
     assert main(args) == 0
     run = tmp_path / "out/p"
-    assert json.loads((run / "metrics.json").read_text())["precision"] == precision
-    assert json.loads((run / "config.json").read_text())["config"]["hardware"]["dtype"] == precision
+    # Printed when the run starts, recorded in metrics.json, the config and the run identity.
+    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("hardware: cpu-auto on "))
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["precision"] == precision and metrics["hardware"] == line
+    assert metrics["compiled"] is False  # --set wins over the kind's compile
+    assert f"the {precision} CPU kind: {precision}, eager" in line
+    saved = json.loads((run / "config.json").read_text())["config"]
+    assert saved["hardware"]["dtype"] == precision
+    assert saved["train"]["seed"] == (7 if precision == "fp32" else 1337)
     _, meta = load_checkpoint(list_checkpoints(run / "checkpoints")[-1])
+    assert meta["identity_keys"]["hardware.dtype"] == precision
+    if precision == "fp32":
+        assert "the fp32 kind's recipe for train smoke: " in line and "train.seed=7" in line
+        assert "train.seed" in meta["identity_keys"]["hardware.recipe"]
+        assert meta["identity_keys"]["hardware.recipe"].startswith("cpu-auto fp32: ")
+    else:
+        assert "train smoke as configured" in line and "hardware.recipe" not in meta["identity_keys"]
     assert meta["config"]["hardware"] == {
         **meta["config"]["hardware"],
         "name": "cpu-auto",

@@ -1,5 +1,7 @@
 """Decode weights: bf16 (prepacked) and int8 weight-only models give the fp32 model's outputs within their
-precision, decode the same way, and `auto` follows the CPU's native bf16."""
+precision, decode the same way, and `auto` follows the CPU's native bf16. bf16 needs oneDNN's bf16 ISA
+(AVX-512 BW/VL/DQ or AVX-NE-CONVERT): where this CPU lacks it, the tests check the one-line refusal
+instead, and the refusal is also checked everywhere with an AVX2-only CPU's flags passed in."""
 
 import pytest
 import torch
@@ -7,10 +9,21 @@ import torch.nn.functional as F
 
 from enlace import runtime
 from enlace.config.model import ModelConfig
+from enlace.errors import HardwareError
 from enlace.generate import Int8Linear, PackedLinear, decode_weights, generate, resolve_decode_weights
 from enlace.model import Llama
 
 CFG = ModelConfig(name="t", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, seq_len=64)
+
+# /proc/cpuinfo flags of the two CPU kinds this project runs on (abridged to what the checks read).
+AVX2_CPU = frozenset({"sse2", "avx", "avx2", "fma"})
+AVX512_BF16_CPU = AVX2_CPU | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"}
+# Can this machine's oneDNN run bf16 kernels? Where not, the bf16 tests check the refusal instead.
+BF16_HERE = runtime.onednn_bf16_missing() is None
+REFUSED = (
+    "decode weights bf16: oneDNN's bf16 kernels need avx512bw, avx512vl, avx512dq or avx_ne_convert, which"
+)
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 
 
 def model() -> Llama:
@@ -18,11 +31,28 @@ def model() -> Llama:
     return Llama(CFG).eval()
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+@needs_onednn
 def test_packed_linear_equals_a_bf16_linear():
+    if not BF16_HERE:  # this CPU's path: refused up front, with the instruction sets it lacks
+        with pytest.raises(HardwareError, match=REFUSED):
+            decode_weights(model(), "bf16")
+        return
     lin = torch.nn.Linear(64, 96, bias=False)
     x = torch.randn(5, 3, 64).bfloat16()
     assert torch.equal(PackedLinear(lin)(x), F.linear(x, lin.weight.bfloat16()))
+
+
+@needs_onednn
+def test_bf16_decode_is_refused_on_an_avx2_cpu_and_allowed_with_avx512():
+    m = model()
+    with pytest.raises(HardwareError, match=REFUSED + r" this CPU lacks \(/proc/cpuinfo\); use"):
+        decode_weights(m, "bf16", flags=AVX2_CPU)
+    assert next(m.parameters()).dtype == torch.float32  # refused before touching the model
+    assert resolve_decode_weights("bf16", flags=AVX512_BF16_CPU) == "bf16"
+    assert resolve_decode_weights("bf16", flags=AVX2_CPU | {"avx_ne_convert"}) == "bf16"
+    # int8 and fp32 run on both kinds; off CPU bf16 is a plain cast, not oneDNN's.
+    assert resolve_decode_weights("int8", flags=AVX2_CPU) == "int8"
+    assert resolve_decode_weights("bf16", device="cuda", flags=AVX2_CPU) == "bf16"
 
 
 def test_int8_linear_is_close_to_fp32():
@@ -35,6 +65,10 @@ def test_int8_linear_is_close_to_fp32():
 
 @pytest.mark.parametrize("weights,tol", [("bf16", 0.03), ("int8", 0.05)])
 def test_decode_weights_keep_the_logits(weights, tol):
+    if weights == "bf16" and not BF16_HERE:
+        with pytest.raises(HardwareError, match=REFUSED):
+            decode_weights(model(), weights)
+        return
     ref, low = model(), decode_weights(model(), weights)
     x = torch.randint(0, CFG.vocab_size, (1, 20))
     with torch.no_grad():
@@ -47,13 +81,13 @@ def test_decode_weights_keep_the_logits(weights, tol):
     assert list(generate(low, ids, 8)) == list(generate(low, ids, 8))
 
 
-def test_auto_follows_native_bf16(monkeypatch):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    assert resolve_decode_weights("auto") == "bf16"
-    monkeypatch.setattr(runtime, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert resolve_decode_weights("auto") == "fp32"
+def test_auto_follows_native_bf16():
+    assert runtime.cpu_bf16_native(AVX512_BF16_CPU, "AVX512") == "avx512_bf16"
+    # Native bf16 needs the flag and PyTorch dispatching AVX-512 kernels (ATEN_CPU_CAPABILITY=avx2 caps it).
+    assert runtime.cpu_bf16_native(AVX512_BF16_CPU, "AVX2") is None
+    assert runtime.cpu_bf16_native(AVX2_CPU, "AVX2") is None
+    assert resolve_decode_weights("auto", flags=AVX2_CPU) == "fp32"
     m = model()
-    assert decode_weights(m, "auto") is m and next(m.parameters()).dtype == torch.float32
+    assert decode_weights(m, "auto", flags=AVX2_CPU) is m and next(m.parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match="choose from"):
         resolve_decode_weights("fp8")

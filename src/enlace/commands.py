@@ -26,13 +26,14 @@ def _config_check(args: argparse.Namespace) -> int:
 
 def _hardware_check(args: argparse.Namespace) -> int:
     from .cli import load_cfg
-    from .runtime import check_device
+    from .runtime import check_device, resolve_hardware
 
     cfg = load_cfg(args, layers=("hardware",))
     info = check_device(cfg.hardware, cfg.files["hardware"])
+    hw = resolve_hardware(cfg.hardware)  # what a run resolves `auto` to on this machine
     print(
         json.dumps(
-            {"profile": cfg.hardware.name, "dtype": cfg.hardware.dtype, "ok": True, **info.to_dict()},
+            {"profile": hw.name, "dtype": hw.dtype, "compile": hw.compile, "ok": True, **info.to_dict()},
             indent=2,
         )
     )
@@ -47,8 +48,10 @@ def _estimate(args: argparse.Namespace) -> int:
         largest_fitting_micro_batch,
         suggest_geometry,
     )
+    from .runtime import resolve_run
 
-    cfg = load_cfg(args, layers=("hardware", "model", "train"), stage=args.stage)
+    # As the run would train on this CPU: cpu-auto's dtype and the CPU kind's recipe.
+    cfg = resolve_run(load_cfg(args, layers=("hardware", "model", "train"), stage=args.stage)).cfg
     model, hw, train = cfg.layers["model"], cfg.layers["hardware"], cfg.layers["train"]
     mb = args.micro_batch or train.micro_batch_size
     est = estimate_training_memory(model, hw, mb, args.seq_len)

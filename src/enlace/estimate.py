@@ -187,6 +187,9 @@ def estimate_training_memory(
 ) -> MemoryEstimate:
     """Predicted peak memory of one training step of `model` on `hw` with this micro-batch."""
     from .model import closed_form_num_parameters
+    from .runtime import resolve_hardware
+
+    hw = resolve_hardware(hw)  # `dtype: auto`: the precision a run on this CPU trains in
 
     t = seq_len or model.seq_len
     n = closed_form_num_parameters(model)

@@ -12,21 +12,32 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from .errors import EnlaceError
+from .errors import EnlaceError, HardwareError
 from .model import KVCache, Llama
 
 # auto: bf16 on a CPU with native bf16 (avx512_bf16 or AMX), else fp32 as loaded.
 DECODE_WEIGHTS = ("auto", "fp32", "bf16", "int8")
 
 
-def resolve_decode_weights(weights: str, device: str | torch.device = "cpu") -> str:
+def resolve_decode_weights(
+    weights: str, device: str | torch.device = "cpu", flags: frozenset[str] | None = None
+) -> str:
+    """The decode weights `weights` means here; refuses bf16 on a CPU whose oneDNN cannot pack it.
+
+    flags: the CPU's instruction-set flags (default: this machine's /proc/cpuinfo).
+    """
+    from .runtime import cpu_bf16_native, onednn_bf16_missing
+
     if weights not in DECODE_WEIGHTS:
         raise ValueError(f"decode weights {weights!r}: choose from {', '.join(DECODE_WEIGHTS)}")
-    if weights != "auto":
-        return weights
-    from .runtime import cpu_bf16_native
-
-    return "bf16" if torch.device(device).type == "cpu" and cpu_bf16_native() else "fp32"
+    cpu = torch.device(device).type == "cpu"
+    if weights == "auto":
+        return "bf16" if cpu and cpu_bf16_native(flags) else "fp32"
+    if weights == "bf16" and cpu and torch.backends.mkldnn.is_available():
+        missing = onednn_bf16_missing(flags)
+        if missing:
+            raise HardwareError(f"decode weights bf16: {missing}; use --weights fp32 or int8")
+    return weights
 
 
 class PackedLinear(nn.Module):
@@ -73,14 +84,20 @@ class Int8Linear(nn.Module):
 
 
 @torch.no_grad()
-def decode_weights(model: Llama, weights: str = "auto", device: str | torch.device = "cpu") -> Llama:
+def decode_weights(
+    model: Llama,
+    weights: str = "auto",
+    device: str | torch.device = "cpu",
+    flags: frozenset[str] | None = None,
+) -> Llama:
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
     fp32 leaves it as it is. bf16 and int8 turn norms, embedding, activations and KV cache into bf16 and
     every linear layer (the tied output head included, which gets its own copy) into a packed bf16 or an
     int8 module: the model can no longer be trained. Off CPU, bf16 is a plain cast and int8 is refused.
+    flags: the CPU's instruction-set flags, as resolve_decode_weights takes them.
     """
-    weights = resolve_decode_weights(weights, device)
+    weights = resolve_decode_weights(weights, device, flags)
     if weights == "fp32":
         return model
     cpu = torch.device(device).type == "cpu"

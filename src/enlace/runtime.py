@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from .config.hardware import HardwareConfig
+from .config.hardware import CPU_KINDS, HardwareConfig
+from .config.resolve import Config
 from .errors import HardwareError
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -52,17 +55,45 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
     return frozenset()
 
 
-def cpu_bf16_native(flags: frozenset[str] | None = None) -> str | None:
+def cpu_bf16_native(flags: frozenset[str] | None = None, capability: str | None = None) -> str | None:
     """The flag that makes bf16 native on this CPU, or None where bf16 would be emulated.
 
     oneDNN (PyTorch's CPU matmul library) also needs PyTorch to dispatch its AVX-512 kernels: a build or an
-    ATEN_CPU_CAPABILITY capped at AVX2 runs bf16 the slow way whatever the CPU has.
+    ATEN_CPU_CAPABILITY capped at AVX2 runs bf16 the slow way whatever the CPU has. flags and capability
+    default to this machine's (/proc/cpuinfo, torch.backends.cpu.get_cpu_capability()).
     """
     flags = cpu_flags() if flags is None else flags
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     found = next((f for f in BF16_CPU_FLAGS if f in flags), None)
-    if found is None or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    if found is None or not capability.startswith("AVX512"):
         return None
     return found
+
+
+# oneDNN's bf16 kernels (the reorder and prepacked linear behind enlace.generate.PackedLinear) run only on
+# x86 CPUs with one of these instruction sets and raise a RuntimeError elsewhere, whatever PyTorch dispatches.
+# AVX2-only CPUs (most laptops, many cloud EPYCs) have neither.
+ONEDNN_BF16_ISAS = (("avx512bw", "avx512vl", "avx512dq"), ("avx_ne_convert",))
+
+
+def onednn_bf16_missing(flags: frozenset[str] | None = None) -> str | None:
+    """Why oneDNN's bf16 kernels cannot run here, as a clause for a one-line error; None where they can.
+
+    Default: oneDNN's own answer for this machine, which also sees ONEDNN_MAX_CPU_ISA. Given flags (a CPU's
+    /proc/cpuinfo flags), the answer for that CPU; only x86 CPUs (flags with sse2) are judged from flags.
+    """
+    need = " or ".join(", ".join(isa) for isa in ONEDNN_BF16_ISAS)
+    if flags is None:
+        if not torch.backends.mkldnn.is_available() or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return None
+        flags = cpu_flags()
+        if any(all(f in flags for f in isa) for isa in ONEDNN_BF16_ISAS):
+            cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "the build")
+            return f"oneDNN's bf16 kernels need {need}, which ONEDNN_MAX_CPU_ISA={cap} turns off"
+        return f"oneDNN's bf16 kernels need {need}, which this CPU lacks (/proc/cpuinfo)"
+    if "sse2" not in flags or any(all(f in flags for f in isa) for isa in ONEDNN_BF16_ISAS):
+        return None
+    return f"oneDNN's bf16 kernels need {need}, which this CPU lacks (/proc/cpuinfo)"
 
 
 _CXX = os.environ.get("CXX", "g++")  # what torch.compile's CPU backend (inductor) calls
@@ -73,9 +104,92 @@ def cpp_compiler() -> str | None:
     return shutil.which(_CXX)
 
 
-def resolve_cpu_dtype(flags: frozenset[str] | None = None) -> str:
-    """The precision `dtype: auto` means on a CPU: bf16 where it is native, else the fp32 reference."""
-    return "bf16" if cpu_bf16_native(flags) else "fp32"
+def resolve_cpu_dtype(flags: frozenset[str] | None = None, capability: str | None = None) -> str:
+    """The precision `dtype: auto` means on a CPU, which names its kind: bf16 where it is native, else the
+    fp32 reference."""
+    return "bf16" if cpu_bf16_native(flags, capability) else "fp32"
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the machine's architecture where it does not)."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return platform.machine() or "unknown CPU"
+
+
+def resolve_hardware(
+    hw: HardwareConfig, flags: frozenset[str] | None = None, capability: str | None = None
+) -> HardwareConfig:
+    """The profile as it runs on this CPU: `dtype: auto` and `compile: auto` decided (flags and capability
+    default to this machine's); a profile without them is returned as it is."""
+    if hw.dtype != "auto" and hw.compile != "auto":
+        return hw
+    kind = resolve_cpu_dtype(flags, capability) if hw.dtype == "auto" else hw.dtype
+    compile_ = hw.compile
+    if compile_ == "auto":  # kinds are declared (the profile's validation says so)
+        compile_ = hw.kinds[kind].compile if hw.kinds and kind in hw.kinds else False
+    return hw.model_copy(update={"dtype": kind, "compile": compile_})
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A config as it runs on this machine: what enlace.config.kinds.apply_kind made of it for the CPU's kind."""
+
+    cfg: Config
+    kind: (
+        str | None
+    )  # the CPU kind a `dtype: auto` profile resolved to; None for a profile that names its dtype
+    recipe: dict[str, Any]  # the model/train values the kind's recipe set
+    cpu: str = ""  # the CPU that decided: model, kind-deciding flags, what PyTorch dispatches
+
+    def line(self) -> str:
+        """What the run prints when it starts (and what its metrics.json records)."""
+        hw = self.cfg.hardware
+        how = f"{hw.dtype}, {'compiled' if hw.compile else 'eager'}"
+        if self.kind is None:
+            return f"hardware: {hw.name} ({hw.device}): {how}"
+        layer = next((x for x in ("train", "finetune") if x in self.cfg.layers), None)
+        named = f"{layer} {self.cfg.layers[layer].name}" if layer else ""
+        if not self.recipe:
+            recipe = f"; {named} as configured" if named else ""
+        else:
+            recipe = f"; the {self.kind} kind's recipe for {named}: " + ", ".join(
+                f"{k}={v}" for k, v in self.recipe.items()
+            )
+        return f"hardware: {hw.name} on {self.cpu}: the {self.kind} CPU kind: {how}{recipe}"
+
+
+def resolve_run(
+    cfg: Config, flags: frozenset[str] | None = None, capability: str | None = None
+) -> ResolvedRun:
+    """Decide, once at the start of a run, what a `dtype: auto` profile means on this CPU: the dtype, whether
+    to compile and the recipe of its kind (flags and capability default to this machine's). Resolving a
+    resolved config changes nothing."""
+    from .config.kinds import RECIPE_MARK, applied_recipe, apply_kind
+
+    hw = cfg.layers.get("hardware")
+    if hw is None:
+        return ResolvedRun(cfg, None, {})
+    if hw.dtype != "auto":
+        if hw.compile == "auto":  # a dtype set by hand: its kind's compile only
+            return ResolvedRun(apply_kind(cfg, hw.dtype) if hw.dtype in CPU_KINDS else cfg, None, {})
+        if RECIPE_MARK not in cfg.provenance.get("hardware.dtype", ""):
+            return ResolvedRun(cfg, None, applied_recipe(cfg))
+    flags = cpu_flags() if flags is None else flags
+    capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
+    isa = " ".join(f for f in ("avx2", "avx512f", *BF16_CPU_FLAGS) if f in flags) or "flags unknown"
+    cpu = f"{cpu_model()} ({isa}; PyTorch {capability})"
+    if hw.dtype != "auto":  # resolved before, by this function: its kind is its dtype
+        return ResolvedRun(cfg, hw.dtype, applied_recipe(cfg), cpu)
+    kind = resolve_cpu_dtype(flags, capability)
+    out = apply_kind(cfg, kind)
+    return ResolvedRun(out, kind, applied_recipe(out), cpu)
 
 
 def _check_cpu(hw: HardwareConfig, source: str) -> None:
@@ -108,6 +222,7 @@ def _sdpa_backend_available(backend: str, cc: tuple[int, int]) -> bool:
 
 def check_device(hw: HardwareConfig, source: str = "hardware profile") -> DeviceInfo:
     """Fail at once, with one line naming the profile, if the device cannot run it as configured."""
+    hw = resolve_hardware(hw)
     if hw.device == "cpu":
         _check_cpu(hw, source)
         bf16 = cpu_bf16_native()
@@ -192,6 +307,7 @@ def setup_runtime(hw: HardwareConfig) -> torch.device:
 
 def autocast(hw: HardwareConfig):
     """Mixed precision lives here, not in the model: fp32 runs without autocast."""
+    hw = resolve_hardware(hw)
     if hw.dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=hw.device, dtype=DTYPES[hw.dtype])

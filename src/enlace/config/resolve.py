@@ -218,7 +218,9 @@ def _validation_error(
     e: ValidationError, layer: str, provenance: dict[str, str], default: str
 ) -> ConfigError:
     err = e.errors(include_url=False)[0]
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in ("deb", "url", "hf", "local")))
+    # Union members' tags are not keys: data sources' kinds, and `compile: true|false|auto`'s bool.
+    tags = ("deb", "url", "hf", "local", "bool", "literal['auto']")
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p in tags))
     path = ".".join([layer, *map(str, loc)])
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
@@ -348,7 +350,10 @@ def build_config(
             provenance.setdefault(f"{layer}.{k}", "default")
     cfg = Config(layers=built, provenance=provenance, files=files, eval=eval or EvalConfig())
     if check_cross:
+        from .kinds import check_kinds  # kinds builds on this module
+
         cross_layer_checks(cfg)
+        check_kinds(cfg)
     return cfg
 
 

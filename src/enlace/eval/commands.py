@@ -14,9 +14,10 @@ from ..errors import EnlaceError
 
 def _eval(args: argparse.Namespace) -> int:
     from ..cli import load_cfg
+    from ..runtime import resolve_run
     from .evaluate import read_prose, run_eval, score_model_dir
 
-    cfg = load_cfg(args)
+    cfg = resolve_run(load_cfg(args)).cfg  # as the run it scores was resolved on this CPU
     if args.prose:
         cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": args.prose}))
     if args.model_dir:
@@ -55,11 +56,12 @@ def bpb_table(m: dict) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ..generate import check_sampling, decode_weights, generate
+    from ..generate import check_sampling, decode_weights, generate, resolve_decode_weights
 
     check_sampling(  # before loading a model: a bad option costs nothing
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
     )
+    resolve_decode_weights(args.weights, args.device)  # so is weights the CPU cannot run
     model_dir = Path(args.model)
     device = args.device
     if not model_dir.is_dir():

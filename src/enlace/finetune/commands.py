@@ -82,9 +82,13 @@ def _import_gguf(args: argparse.Namespace) -> int:
 
 def _finetune(args: argparse.Namespace) -> int:
     from ..load import check_model_folder
+    from ..runtime import resolve_run
     from .train import finetune
 
-    cfg = load_finetune_cfg(args)
+    # Resolved once, at the start: dtype, compile and the CPU kind's recipe (docs/cpu-kinds.md).
+    resolved = resolve_run(load_finetune_cfg(args))
+    print(resolved.line(), flush=True)
+    cfg = resolved.cfg
     check_model_folder(Path(cfg.finetune.base_model))
     result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet, resolved=cfg)
     print(json.dumps(result.final))
@@ -93,9 +97,10 @@ def _finetune(args: argparse.Namespace) -> int:
 
 def _finetune_eval(args: argparse.Namespace) -> int:
     from ..load import check_model_folder
+    from ..runtime import resolve_run
     from .evaluate import finetune_eval
 
-    cfg = load_finetune_cfg(args)
+    cfg = resolve_run(load_finetune_cfg(args)).cfg  # as `enlace finetune` resolved it on this CPU
     check_model_folder(Path(cfg.finetune.base_model))
     r = finetune_eval(cfg.finetune, cfg.hardware, Path(args.adapter) if args.adapter else None)
     for a in r["answers"]:
@@ -109,12 +114,13 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from ..generate import check_sampling, decode_weights
+    from ..generate import check_sampling, decode_weights, resolve_decode_weights
     from ..load import load_for_generation
     from .chat import chat_repl
 
     sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
     check_sampling(max_new_tokens=args.max_new_tokens, **sampling)  # before the model loads
+    resolve_decode_weights(args.weights)  # weights this CPU cannot run, too
     if hasattr(sys.stdin, "reconfigure"):
         # Bad bytes become lone surrogates line by line (a strict decoder fails a whole buffered chunk
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.

@@ -27,6 +27,7 @@ from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import sha256_file
 from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
+from ..runtime import resolve_hardware
 from ..train import dist as D
 from ..train import loop as loop_module
 from ..train import schedule as schedule_module
@@ -91,7 +92,7 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
         {
             "data.fingerprint": sha256_file(Path(cfg.train_data))[:16],
             "base.fingerprint": base_fingerprint(Path(cfg.base_model)),
-            "hardware.dtype": hw.dtype,
+            "hardware.dtype": resolve_hardware(hw).dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": hw.loss_scaler,
             "code": code_fingerprint(STEP_CODE),
         }
@@ -219,6 +220,7 @@ def finetune(
     stop_after: int | None = None,
 ) -> FinetuneResult:
     """Train (or resume) the adapter run in cfg.out; one process per run folder."""
+    hw = resolve_hardware(hw)  # `dtype: auto` decided for this CPU (a no-op where the caller did)
     task = FinetuneTask(cfg, hw, resolved)
     out = Path(cfg.out)
     r = loop_module.run(task, out, hw, fresh=fresh, progress=progress, stop_after=stop_after)

@@ -9,10 +9,16 @@ from .. import paths
 
 
 def _run(args: argparse.Namespace, stage: str) -> int:
+    import sys
+
     from ..cli import load_cfg
+    from ..runtime import resolve_run
     from . import stages
 
-    cfg = load_cfg(args, stage="smoke" if stage == "smoke" else None)
+    # The hardware is resolved once, here: dtype, compile and the CPU kind's recipe (docs/cpu-kinds.md).
+    resolved = resolve_run(load_cfg(args, stage="smoke" if stage == "smoke" else None))
+    print(resolved.line(), file=sys.stderr, flush=True)
+    cfg = resolved.cfg
     run_dir = Path(args.run_dir) if args.run_dir else paths.RUNS / stage
     fn = stages.smoke if stage == "smoke" else stages.pretrain
     return fn(cfg, run_dir, progress=not args.no_progress, fresh=args.fresh)

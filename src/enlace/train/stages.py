@@ -22,7 +22,7 @@ from ..data.budget import check_budget
 from ..errors import EnlaceError
 from ..estimate import preflight
 from ..io import atomic_write_json, atomic_write_text
-from ..runtime import check_device
+from ..runtime import check_device, resolve_run
 from . import dist as D
 from .checkpoint import list_checkpoints
 from .lock import run_dir_lock
@@ -66,6 +66,8 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
         "skipped_steps": result.skipped,
         "config_hash": cfg.hash,
         "precision": cfg.hardware.dtype,  # resolved (cpu-auto: bf16 or fp32 by the CPU)
+        "compiled": cfg.hardware.compile,  # resolved too (cpu-auto: by the CPU kind)
+        "hardware": resolve_run(cfg).line(),  # the CPU, its kind and the kind's recipe, as the run printed it
     }
     plot_loss(records, run_dir / "loss.png", title=f"{cfg.model.name} / {cfg.train.name}")
     write_curves(records, run_dir / "curves.csv")
@@ -112,11 +114,13 @@ def main_process() -> bool:
 def smoke(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
     # The loop holds the run directory's lock while it trains; the stage holds it on until its summary is
     # written (the lock is re-entrant within a process).
+    cfg = resolve_run(cfg).cfg  # as the CLI resolved it already; the API's callers get the same
     with run_dir_lock(run_dir, enabled=main_process()):
         return _smoke(cfg, Path(run_dir), progress, fresh)
 
 
 def pretrain(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
+    cfg = resolve_run(cfg).cfg
     with run_dir_lock(run_dir, enabled=main_process()):
         return _pretrain(cfg, Path(run_dir), progress, fresh)
 

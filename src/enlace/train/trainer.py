@@ -17,9 +17,11 @@ import torch
 
 from .. import model as model_module
 from ..config import save_resolved
+from ..config.kinds import applied_recipe
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
 from ..model import Llama
+from ..runtime import resolve_run
 from ..scoring.score import evaluate, precision
 from . import dist as D
 from . import loop as loop_module
@@ -70,17 +72,23 @@ class TrainResult:
 
 
 def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIdentity:
+    cfg = resolve_run(cfg).cfg  # the values the run trains with, the CPU kind's included
     d = cfg.to_dict()
     keys = weight_keys({s: d[s] for s in ("model", "data", "train")}, CADENCE_KEYS)
     keys.update(
         {
             "data.fingerprint": data_fingerprint,
             "world_size": world_size,
-            "hardware.dtype": cfg.hardware.dtype,
+            "hardware.dtype": cfg.hardware.dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": cfg.hardware.loss_scaler,
             "code": code_fingerprint(STEP_CODE),
         }
     )
+    # The CPU kind chose these values (their effect is in the keys above; this says why). Cadence keys stay
+    # out, as above: changing them by hand must not make another run.
+    recipe = [k for k in applied_recipe(cfg) if k in keys]
+    if recipe:
+        keys["hardware.recipe"] = f"{cfg.hardware.name} {cfg.hardware.dtype}: " + ", ".join(recipe)
     return RunIdentity(keys, steps_key="train.max_steps")
 
 
@@ -203,6 +211,7 @@ def train(
     fresh: bool = False,
 ) -> TrainResult:
     """Pretrain (or resume) the run in run_dir up to cfg.train.max_steps."""
+    cfg = resolve_run(cfg).cfg  # a no-op where the caller resolved it (enlace pretrain, smoke)
     r: RunResult = loop_module.run(
         PretrainTask(cfg, loader, val_loader),
         Path(run_dir),
