@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -64,6 +64,12 @@ docker-5090:
 	docker build --target blackwell -t enlace:blackwell .
 	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select,rtx5090,tiny-50m,tiny-50m-5090,fineweb2-es) && dvc repro"
 
+# Build the cpu image and run ENLACE in it (config check, dvc repro smoke, a pretrain stopped with docker stop
+# and resumed in a new container, equal to an uninterrupted one); starts a Docker engine if none answers, and
+# builds on a local Debian 12 base where the pinned one cannot be pulled. docs/containers.md says what it checks.
+docker-test:
+	bash docker/test.sh
+
 # Re-resolve the base image digests (needs Docker and registry access); then update the Dockerfile's FROM
 # lines to match (tests/test_docker.py fails until they agree).
 docker-pin:
@@ -74,15 +80,18 @@ docker-pin:
 
 # Regenerate the lock files with every transitive pin and its sha256 hashes (needs PyPI only). torch is
 # resolved too, so its pure-Python dependencies get locked, then torch and its CUDA stack (triton, nvidia-*,
-# cuda-*) are dropped from the output: install.sh takes those from the PyTorch index, pinned by version.
-# Each lock keeps its header comment.
+# cuda-*) are dropped from the output: install.sh takes those from the PyTorch index (or a wheel folder),
+# pinned by version. One lock per image Python: the cpu image is Debian 12's Python 3.11
+# (python:3.11-slim-bookworm, and the local test base), the CUDA images Ubuntu 24.04's 3.12; a lock compiled
+# for one does not install on the other. Each lock keeps its header comment.
+LOCKS := cpu:3.11 cu126:3.12 cu130:3.12
 docker-lock: $(STAMP)
 	$(BIN)/python -m pip install -q uv==0.13.8
-	$(BIN)/uv pip compile --generate-hashes --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
-	  requirements.txt --no-header --no-emit-package torch -o /tmp/enlace-docker.lock
-	for t in cpu cu126 cu130; do \
+	set -e; for entry in $(LOCKS); do t=$${entry%:*}; py=$${entry#*:}; \
+	  $(BIN)/uv pip compile -q --generate-hashes --python-version $$py --python-platform x86_64-manylinux_2_28 \
+	    requirements.txt --no-header --no-emit-package torch -o /tmp/enlace-docker-$$t.lock; \
 	  { sed -n '/^#/!q;p' docker/requirements-$$t.lock; \
-	    awk '/^#/{skip=0} /^[A-Za-z0-9]/{skip=($$0 ~ /^(torch|triton|nvidia-|cuda-)/)} !skip' /tmp/enlace-docker.lock; \
+	    awk '/^#/{skip=0} /^[A-Za-z0-9]/{skip=($$0 ~ /^(torch|triton|nvidia-|cuda-)/)} !skip' /tmp/enlace-docker-$$t.lock; \
 	  } > docker/requirements-$$t.lock.new && mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
 
 clean:
