@@ -233,3 +233,17 @@ def test_make_docker_test_expands() -> None:
     out = subprocess.run(["make", "-n", "docker-test"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "bash docker/test.sh"
     assert "make docker-test" in (ROOT / ".ci/run").read_text()
+
+
+def test_docker_test_script_fails_with_one_line() -> None:
+    """docker/test.sh parses, and a bad setting stops it before it touches an engine, with one error line."""
+    script = ROOT / "docker/test.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    res = subprocess.run(
+        ["bash", str(script)],
+        env={"PATH": "/usr/bin:/bin", "ENLACE_DOCKER_BASE": "registry"},
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1
+    assert res.stderr == ("docker-test: error: ENLACE_DOCKER_BASE=registry: expected auto, pinned or local\n")
