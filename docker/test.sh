@@ -73,7 +73,8 @@ pick_client() {
 }
 engine_state() {  # prints ok, permission or none
     local out
-    if out="$("${DOCKER:-docker}" info 2>&1 >/dev/null)"; then echo ok; return; fi
+    # docker 20.10 prints a server error in its output, not on stderr: read both.
+    if out="$("${DOCKER:-docker}" info 2>&1)"; then echo ok; return; fi
     case "$out" in *"permission denied"*) echo permission ;; *) echo none ;; esac
 }
 DOCKER="$(pick_client || true)"
