@@ -52,16 +52,18 @@ DOCKER_RUN = docker run --rm -v "$(CURDIR)":/work -w /work --user $$(id -u):$$(i
 # them and dvc.lock records them, so the change shows in `git diff`.
 select = sed -i '/^config:/,/^[a-z]/{s/^\(  hardware:\).*/\1 $(1)/;s/^\(  model:\).*/\1 $(2)/;s/^\(  train:\).*/\1 $(3)/;s/^\(  data:\).*/\1 $(4)/}' params.yaml
 
+# BuildKit builds (the default from Docker 23; DOCKER_BUILDKIT=1 turns it on for 20.10-22): the Dockerfile's
+# install step uses a bind mount and an optional `--secret id=ca_bundle,src=FILE` (docs/containers.md).
 docker-cpu:
-	docker build --target cpu -t enlace:cpu .
+	DOCKER_BUILDKIT=1 docker build --target cpu -t enlace:cpu .
 	$(DOCKER_RUN) enlace:cpu sh -c "$(call select,cpu,cpu-small,cpu-small,es-debian) && dvc repro"
 
 docker-2060:
-	docker build --target turing -t enlace:turing .
+	DOCKER_BUILDKIT=1 docker build --target turing -t enlace:turing .
 	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select,rtx2060,tiny-50m,tiny-50m-2060,fineweb2-es) && dvc repro"
 
 docker-5090:
-	docker build --target blackwell -t enlace:blackwell .
+	DOCKER_BUILDKIT=1 docker build --target blackwell -t enlace:blackwell .
 	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select,rtx5090,tiny-50m,tiny-50m-5090,fineweb2-es) && dvc repro"
 
 # Build the cpu image and run ENLACE in it (config check, dvc repro smoke, a pretrain stopped with docker stop
@@ -70,8 +72,8 @@ docker-5090:
 docker-test:
 	bash docker/test.sh
 
-# Re-resolve the base image digests (needs Docker and registry access); then update the Dockerfile's FROM
-# lines to match (tests/test_docker.py fails until they agree).
+# Re-resolve the base image digests (needs Docker and registry access); then update docker/images.lock and the
+# Dockerfile's ARG *_BASE defaults to match (tests/test_docker.py fails until they agree).
 docker-pin:
 	@grep -v '^#' docker/images.lock | while IFS='=' read -r target ref; do \
 	  tag=$${ref%@*}; digest=$$(docker buildx imagetools inspect "$$tag" --format '{{json .Manifest}}' | \
