@@ -211,13 +211,17 @@ cp "$ROOT/docker/test-data.yaml" "$SCRATCH/configs/data/docker-test.yaml"
 sed -i -e '/^config:/,/^[a-z]/{s/^\(  hardware:\).*/\1 cpu/;s/^\(  data:\).*/\1 docker-test/}' \
     -e "/^smoke:/,/^[a-z]/{/^  set:/a\\    train.max_steps: $SMOKE_STEPS" -e '}' "$SCRATCH/params.yaml"
 (cd "$SCRATCH" && git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm scratch)
-# TQDM_DISABLE: no progress bars in the log (their carriage returns make one line of the whole run).
-docker_env=(-e OMP_WAIT_POLICY=PASSIVE -e TQDM_DISABLE=1)
+docker_env=(-e OMP_WAIT_POLICY=PASSIVE)
 run=("$DOCKER" run --rm -v "$SCRATCH":/work -w /work --user "$(id -u):$(id -g)" "${docker_env[@]}")
 phase "enlace config check"
 "${run[@]}" "$IMAGE" enlace config check || die "enlace config check failed in the container"
 phase "dvc repro smoke (fetch + smoke)"
-"${run[@]}" "$IMAGE" nice -n 10 dvc repro smoke || die "dvc repro smoke failed in the container"
+# The stage's full output (datatrove's and the progress bar's) goes to a log; its summary lines come here.
+"${run[@]}" "$IMAGE" nice -n 10 dvc repro smoke >"$SCRATCH/smoke.log" 2>&1 || {
+    tr '\r' '\n' <"$SCRATCH/smoke.log" | tail -15 >&2
+    die "dvc repro smoke failed in the container"
+}
+tr '\r' '\n' <"$SCRATCH/smoke.log" | grep -E "^(Running stage|corpus:|smoke:)" | sed 's/^/docker-test:   /' || true
 python3 -c 'import json,sys; m=json.load(open(sys.argv[1])); assert m["resume_exact"] is True and m["steps"] == int(sys.argv[2]), m' \
     "$SCRATCH/runs/smoke/metrics.json" "$SMOKE_STEPS" || die "the smoke stage did not report an exact resume after $SMOKE_STEPS steps"
 
