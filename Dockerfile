@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # ENLACE images, one pinned target per GPU generation:
 #   cpu        CPU-only torch                               docker build --target cpu -t enlace:cpu .
 #   turing     RTX 20xx (sm_75): CUDA 12.6 wheels            docker build --target turing -t enlace:turing .
@@ -9,12 +8,29 @@
 #
 # The image holds the environment only. The repository is mounted at run time (-v "$PWD":/work -w /work),
 # so .git, the DVC cache and checkpoints stay on the host; containers run as the host user.
+#
+# Needs BuildKit (Docker 23+ uses it by default; DOCKER_BUILDKIT=1 on 20.10): the install step reads docker/
+# through a bind mount and an optional CA bundle through a secret, so neither lands in a layer. No `syntax`
+# line: the built-in Dockerfile frontend suffices, and fetching another one needs Docker Hub.
+# Build arguments (docs/containers.md); their defaults are the pinned references, so a plain build needs none:
+#   CPU_BASE / TURING_BASE / BLACKWELL_BASE  the base image (make docker-test swaps in a local Debian 12 base)
+#   TORCH_INDEX    the PyTorch wheel index torch comes from
+#   TORCH_WHEELS   instead, a folder of wheels under docker/ (git-ignored), installed with --no-index
+# Secret: --secret id=ca_bundle,src=FILE  extra CA certificates (PEM) that pip trusts during the build, for
+#   networks behind a TLS-intercepting proxy; never copied into the image.
+ARG CPU_BASE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
+ARG TURING_BASE=nvidia/cuda:12.6.3-base-ubuntu24.04@sha256:c87e78933f4c16e3272123bf2f75537306596d0fbaa395a29696a22786e5ee0e
+ARG BLACKWELL_BASE=nvidia/cuda:13.0.1-base-ubuntu24.04@sha256:f8ef28f579ea42a44b415d2c5d46f788e6a9b395c6c83f2929416e1fc192c143
 
-FROM python:3.12-slim-bookworm@sha256:34386ef0cb081344d7ec1c103ba398e6e9f64e9ab3a1509accc92a4e24a07258 AS cpu
+FROM ${CPU_BASE} AS cpu
+# The package lists stay: the default corpus (configs/data/es-debian.yaml) is fetched with `apt-get download`,
+# which the host user can run, unlike the `apt-get update` that empty lists would need.
 RUN apt-get update && apt-get install -y --no-install-recommends git tini groff-base \
-    && rm -rf /var/lib/apt/lists/*
-COPY docker/install.sh docker/requirements-cpu.lock /tmp/env/
-RUN sh /tmp/env/install.sh /tmp/env/requirements-cpu.lock https://download.pytorch.org/whl/cpu "torch==2.13.0+cpu"
+    && apt-get clean
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG TORCH_WHEELS=
+RUN --mount=type=bind,source=docker,target=/tmp/env --mount=type=secret,id=ca_bundle \
+    sh /tmp/env/install.sh /tmp/env/requirements-cpu.lock "torch==2.13.0+cpu" "$TORCH_INDEX" "$TORCH_WHEELS"
 ENV PATH=/opt/venv/bin:$PATH DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 HOME=/tmp/home \
     PYTHONPATH=/work/src ENLACE_IMAGE=cpu
 WORKDIR /work
@@ -22,25 +38,29 @@ WORKDIR /work
 ENTRYPOINT ["tini", "-g", "--"]
 CMD ["bash"]
 
-FROM nvidia/cuda:12.6.3-base-ubuntu24.04@sha256:c87e78933f4c16e3272123bf2f75537306596d0fbaa395a29696a22786e5ee0e AS turing
+FROM ${TURING_BASE} AS turing
 RUN apt-get update && apt-get install -y --no-install-recommends python3.12 python3.12-venv git tini groff-base \
     && rm -rf /var/lib/apt/lists/*
-COPY docker/install.sh docker/requirements-cu126.lock /tmp/env/
-RUN sh /tmp/env/install.sh /tmp/env/requirements-cu126.lock https://download.pytorch.org/whl/cu126 "torch==2.13.0+cu126"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu126
+ARG TORCH_WHEELS=
+RUN --mount=type=bind,source=docker,target=/tmp/env --mount=type=secret,id=ca_bundle \
+    sh /tmp/env/install.sh /tmp/env/requirements-cu126.lock "torch==2.13.0+cu126" "$TORCH_INDEX" "$TORCH_WHEELS"
 ENV PATH=/opt/venv/bin:$PATH DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 HOME=/tmp/home \
     PYTHONPATH=/work/src ENLACE_IMAGE=turing
 WORKDIR /work
 ENTRYPOINT ["tini", "-g", "--"]
 CMD ["bash"]
 
-FROM nvidia/cuda:13.0.1-base-ubuntu24.04@sha256:f8ef28f579ea42a44b415d2c5d46f788e6a9b395c6c83f2929416e1fc192c143 AS blackwell
+FROM ${BLACKWELL_BASE} AS blackwell
 # The rtx5090 profile sets compile: true. torch.compile's Triton backend builds a small C launcher per kernel
 # at run time, with the system C compiler against Python.h: gcc and python3.12-dev are runtime needs here.
 RUN apt-get update && apt-get install -y --no-install-recommends python3.12 python3.12-venv python3.12-dev \
     gcc libc6-dev git tini groff-base \
     && rm -rf /var/lib/apt/lists/*
-COPY docker/install.sh docker/requirements-cu130.lock /tmp/env/
-RUN sh /tmp/env/install.sh /tmp/env/requirements-cu130.lock https://download.pytorch.org/whl/cu130 "torch==2.13.0+cu130"
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
+ARG TORCH_WHEELS=
+RUN --mount=type=bind,source=docker,target=/tmp/env --mount=type=secret,id=ca_bundle \
+    sh /tmp/env/install.sh /tmp/env/requirements-cu130.lock "torch==2.13.0+cu130" "$TORCH_INDEX" "$TORCH_WHEELS"
 ENV PATH=/opt/venv/bin:$PATH DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 HOME=/tmp/home \
     PYTHONPATH=/work/src ENLACE_IMAGE=blackwell
 WORKDIR /work

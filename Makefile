@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench serve gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint bench serve gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -82,20 +82,28 @@ DOCKER_RUN = docker run --rm -v "$(CURDIR)":/work -w /work --user $$(id -u):$$(i
 # them and dvc.lock records them, so the change shows in `git diff`.
 select = sed -i '/^config:/,/^[a-z]/{s/^\(  hardware:\).*/\1 $(1)/;s/^\(  model:\).*/\1 $(2)/;s/^\(  train:\).*/\1 $(3)/;s/^\(  data:\).*/\1 $(4)/}' params.yaml
 
+# BuildKit builds (the default from Docker 23; DOCKER_BUILDKIT=1 turns it on for 20.10-22): the Dockerfile's
+# install step uses a bind mount and an optional `--secret id=ca_bundle,src=FILE` (docs/containers.md).
 docker-cpu:
-	docker build --target cpu -t enlace:cpu .
+	DOCKER_BUILDKIT=1 docker build --target cpu -t enlace:cpu .
 	$(DOCKER_RUN) enlace:cpu sh -c "$(call select,cpu,cpu-small,cpu-small,es-debian) && dvc repro"
 
 docker-2060:
-	docker build --target turing -t enlace:turing .
+	DOCKER_BUILDKIT=1 docker build --target turing -t enlace:turing .
 	$(DOCKER_RUN) --gpus all enlace:turing sh -c "$(call select,rtx2060,tiny-50m,tiny-50m-2060,fineweb2-es) && dvc repro"
 
 docker-5090:
-	docker build --target blackwell -t enlace:blackwell .
+	DOCKER_BUILDKIT=1 docker build --target blackwell -t enlace:blackwell .
 	$(DOCKER_RUN) --gpus all enlace:blackwell sh -c "$(call select,rtx5090,tiny-50m,tiny-50m-5090,fineweb2-es) && dvc repro"
 
-# Re-resolve the base image digests (needs Docker and registry access); then update the Dockerfile's FROM
-# lines to match (tests/test_docker.py fails until they agree).
+# Build the cpu image and run ENLACE in it (config check, dvc repro smoke, a pretrain stopped with docker stop
+# and resumed in a new container, equal to an uninterrupted one); starts a Docker engine if none answers, and
+# builds on a local Debian 12 base where the pinned one cannot be pulled. docs/containers.md says what it checks.
+docker-test:
+	bash docker/test.sh
+
+# Re-resolve the base image digests (needs Docker and registry access); then update docker/images.lock and the
+# Dockerfile's ARG *_BASE defaults to match (tests/test_docker.py fails until they agree).
 docker-pin:
 	@grep -v '^#' docker/images.lock | while IFS='=' read -r target ref; do \
 	  tag=$${ref%@*}; digest=$$(docker buildx imagetools inspect "$$tag" --format '{{json .Manifest}}' | \
@@ -104,15 +112,18 @@ docker-pin:
 
 # Regenerate the lock files with every transitive pin and its sha256 hashes (needs PyPI only). torch is
 # resolved too, so its pure-Python dependencies get locked, then torch and its CUDA stack (triton, nvidia-*,
-# cuda-*) are dropped from the output: install.sh takes those from the PyTorch index, pinned by version.
-# Each lock keeps its header comment.
+# cuda-*) are dropped from the output: install.sh takes those from the PyTorch index (or a wheel folder),
+# pinned by version. One lock per image Python: the cpu image is Debian 12's Python 3.11
+# (python:3.11-slim-bookworm, and the local test base), the CUDA images Ubuntu 24.04's 3.12; a lock compiled
+# for one does not install on the other. Each lock keeps its header comment.
+LOCKS := cpu:3.11 cu126:3.12 cu130:3.12
 docker-lock: $(STAMP)
 	$(BIN)/python -m pip install -q uv==0.13.8
-	$(BIN)/uv pip compile --generate-hashes --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
-	  requirements.txt --no-header --no-emit-package torch -o /tmp/enlace-docker.lock
-	for t in cpu cu126 cu130; do \
+	set -e; for entry in $(LOCKS); do t=$${entry%:*}; py=$${entry#*:}; \
+	  $(BIN)/uv pip compile -q --generate-hashes --python-version $$py --python-platform x86_64-manylinux_2_28 \
+	    requirements.txt --no-header --no-emit-package torch -o /tmp/enlace-docker-$$t.lock; \
 	  { sed -n '/^#/!q;p' docker/requirements-$$t.lock; \
-	    awk '/^#/{skip=0} /^[A-Za-z0-9]/{skip=($$0 ~ /^(torch|triton|nvidia-|cuda-)/)} !skip' /tmp/enlace-docker.lock; \
+	    awk '/^#/{skip=0} /^[A-Za-z0-9]/{skip=($$0 ~ /^(torch|triton|nvidia-|cuda-)/)} !skip' /tmp/enlace-docker-$$t.lock; \
 	  } > docker/requirements-$$t.lock.new && mv docker/requirements-$$t.lock.new docker/requirements-$$t.lock; done
 
 clean:

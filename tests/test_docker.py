@@ -13,6 +13,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
+MAKEFILE = (ROOT / "Makefile").read_text()
 # target -> (wheel tag, CUDA version of the base image or None, hardware profile, make target)
 TARGETS = {
     "cpu": ("cpu", None, "cpu", "docker-cpu"),
@@ -42,6 +43,27 @@ def stages() -> dict[str, str]:
     return {re.search(r" AS (\S+)", p).group(1): p for p in parts if p.startswith("FROM ")}
 
 
+def global_args() -> dict[str, str]:
+    """The ARGs before the first FROM (the base images): name -> default."""
+    preamble = DOCKERFILE.split("\nFROM ", 1)[0]
+    return dict(re.findall(r"^ARG (\w+)=(\S+)$", preamble, flags=re.M))
+
+
+def base_ref(stage: str) -> str:
+    """The pinned base a stage builds on: the default of the build argument its FROM names."""
+    arg = re.match(r"FROM \$\{(\w+)\} AS ", stages()[stage])
+    assert arg, f"target {stage}: FROM must name a build argument (make docker-test swaps in a local base)"
+    return global_args()[arg.group(1)]
+
+
+def lock_python(tag: str) -> str:
+    """The Python version a lock file was compiled for, from its header and from the Makefile's LOCKS."""
+    header = re.search(r"Python (3\.\d+), linux", (ROOT / f"docker/requirements-{tag}.lock").read_text())
+    locks = dict(e.split(":") for e in re.search(r"^LOCKS := (.*)$", MAKEFILE, flags=re.M).group(1).split())
+    assert header and header.group(1) == locks[tag], (tag, header, locks)
+    return locks[tag]
+
+
 def test_base_images_pinned_and_match_lock() -> None:
     lock = dict(
         line.split("=", 1)
@@ -50,31 +72,77 @@ def test_base_images_pinned_and_match_lock() -> None:
     )
     st = stages()
     assert set(st) == set(TARGETS) == set(lock)
-    for name, text in st.items():
-        ref = re.match(r"FROM (\S+)", text).group(1)
+    for name in st:
+        ref = base_ref(name)
         assert re.fullmatch(r"[\w./-]+:[\w.-]+@sha256:[0-9a-f]{64}", ref), ref
         assert ref == lock[name], f"Dockerfile target {name} uses {ref}, docker/images.lock says {lock[name]}"
+
+
+def test_one_python_per_image_and_lock() -> None:
+    """A lock installs only on the Python it was compiled for (3.12-only wheels such as contourpy 1.4)."""
+    for name, text in stages().items():
+        tag = TARGETS[name][0]
+        if name == "cpu":
+            # python:3.11-slim-bookworm, and docker/test.sh's local base: Debian 12 (bookworm) ships 3.11.
+            python = re.match(r"python:(3\.\d+)-slim-bookworm@", base_ref(name))
+            assert python and python.group(1) == lock_python(tag) == "3.11"
+            assert "bookworm - " in (ROOT / "docker/test.sh").read_text()
+        else:
+            assert "ubuntu24.04" in base_ref(name) and "python3.12-venv" in apt_packages(text)
+            assert lock_python(tag) == "3.12", name
 
 
 def test_wheel_index_and_cuda_versions() -> None:
     req = pins((ROOT / "requirements.txt").read_text().splitlines())
     for name, text in stages().items():
         tag, cuda, _, _ = TARGETS[name]
-        m = re.search(r"(https://download\.pytorch\.org/whl/(\w+)) \"torch==([^\"]+)\"", text)
-        assert m, f"target {name} names no torch index and pin"
-        assert m.group(2) == tag, f"{name} installs from {m.group(2)}, expected {tag}"
-        assert m.group(3) == f"{req['torch']}+{tag}", (
-            f"{name} pins torch {m.group(3)}; requirements.txt has {req['torch']}"
+        index = re.search(r"^ARG TORCH_INDEX=https://download\.pytorch\.org/whl/(\w+)$", text, flags=re.M)
+        pin = re.search(r'install\.sh \S+ "torch==([^"]+)" "\$TORCH_INDEX" "\$TORCH_WHEELS"', text)
+        assert index and pin, f"target {name} names no torch index and pin"
+        assert index.group(1) == tag, f"{name} installs from {index.group(1)}, expected {tag}"
+        assert pin.group(1) == f"{req['torch']}+{tag}", (
+            f"{name} pins torch {pin.group(1)}; requirements.txt has {req['torch']}"
         )
         lock = ROOT / f"docker/requirements-{tag}.lock"
         assert f"torch=={req['torch']}+{tag}" in lock.read_text() and f"whl/{tag}" in lock.read_text()
         assert f"requirements-{tag}.lock" in text
         if cuda:
-            base_cuda = re.match(r"FROM nvidia/cuda:(\d+\.\d+)", text).group(1)
+            base_cuda = re.match(r"nvidia/cuda:(\d+\.\d+)", base_ref(name)).group(1)
             assert base_cuda == cuda, (name, base_cuda, tag)
             # The wheel the Dockerfile installs must have kernels for the card its hardware profile names.
             sm = tuple(profile(TARGETS[name][2])["min_compute_capability"])
-            assert sm <= WHEEL_MAX_SM[m.group(2)], f"{name}: {m.group(2)} wheels have no kernels for sm {sm}"
+            assert sm <= WHEEL_MAX_SM[tag], f"{name}: {tag} wheels have no kernels for sm {sm}"
+
+
+def test_build_inputs_stay_out_of_the_image() -> None:
+    """docker/ comes in through a bind mount and the extra CA bundle through a secret: no layer holds either,
+    and no certificate is written into the Dockerfile. No `syntax` line: BuildKit would fetch that frontend
+    from Docker Hub."""
+    assert "BEGIN CERTIFICATE" not in DOCKERFILE and not re.search(r"^COPY|^ADD", DOCKERFILE, flags=re.M)
+    assert not re.search(r"^# *syntax *=", DOCKERFILE, flags=re.M)
+    for name, text in stages().items():
+        run = re.search(r"^RUN --mount=type=bind,source=docker,target=/tmp/env (.*)$", text, flags=re.M)
+        assert run and "--mount=type=secret,id=ca_bundle" in run.group(1), name
+        assert re.search(r"^ARG TORCH_WHEELS=$", text, flags=re.M), name
+    install = (ROOT / "docker/install.sh").read_text()
+    assert "/run/secrets/ca_bundle" in install and "PIP_CERT" in install
+    # Wheels put under docker/ for a build reach the context (.dockerignore) but never git.
+    assert {"!docker/install.sh", "!docker/requirements-*.lock", "!docker/wheels/"} <= set(
+        (ROOT / ".dockerignore").read_text().splitlines()
+    )
+    assert "/docker/wheels/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_docker_test_corpus_is_part_of_the_default() -> None:
+    """docker/test.sh's corpus is a real data config: one source of the default corpus, pinned the same."""
+    from enlace.config.data import DataConfig
+
+    test = DataConfig.model_validate(yaml.safe_load((ROOT / "docker/test-data.yaml").read_text()))
+    default = DataConfig.model_validate(yaml.safe_load((ROOT / "configs/data/es-debian.yaml").read_text()))
+    assert test.name == "docker-test" and len(test.sources) == 1
+    source = test.sources[0]
+    assert source.kind == "deb" and source.sha256
+    assert any(source.model_dump() == s.model_dump() | {"weight": source.weight} for s in default.sources)
 
 
 def test_locks_agree_with_requirements() -> None:
@@ -160,3 +228,24 @@ def test_make_targets_expand(target: str) -> None:
     assert "dvc repro" in out and "--user $(id -u):$(id -g)" in out and '-v "' in out
     assert f"hardware:\\).*/\\1 {profile}/" in out  # the profile every stage reads
     assert ("--gpus all" in out) == (target != "cpu")
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_docker_test_expands() -> None:
+    out = subprocess.run(["make", "-n", "docker-test"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "bash docker/test.sh"
+    assert "make docker-test" in (ROOT / ".ci/run").read_text()
+
+
+def test_docker_test_script_fails_with_one_line() -> None:
+    """docker/test.sh parses, and a bad setting stops it before it touches an engine, with one error line."""
+    script = ROOT / "docker/test.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    res = subprocess.run(
+        ["bash", str(script)],
+        env={"PATH": "/usr/bin:/bin", "ENLACE_DOCKER_BASE": "registry"},
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 1
+    assert res.stderr == ("docker-test: error: ENLACE_DOCKER_BASE=registry: expected auto, pinned or local\n")
