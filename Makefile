@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint bench llama-cpp gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -30,12 +30,18 @@ run: $(STAMP) system-deps
 	$(BIN)/dvc repro
 	$(BIN)/enlace report
 
-test: $(STAMP) system-deps
+test: $(STAMP) system-deps llama-cpp
 	$(BIN)/python -m pytest -q
 
+# llama.cpp (llama-cpp-python from its pinned PyPI source package, portable AVX2 flags) for the GGUF
+# round-trip tests and the serving benchmark: built once per machine into ~/.cache/enlace/llama-cpp, in a
+# venv of its own (never this one). A second call returns at once; a changed pin or flag rebuilds.
+llama-cpp: $(STAMP)
+	$(BIN)/python scripts/llama_cpp.py
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench scripts
+	$(BIN)/ruff format --check src tests bench scripts
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
