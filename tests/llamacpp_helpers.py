@@ -1,7 +1,7 @@
 """What llama.cpp makes of a GGUF that ENLACE wrote, compared with ENLACE itself (no tests here).
 
 llama.cpp comes from scripts/llama_cpp.py: built once per machine into a cache outside the repository, in a
-venv of its own, so every llama.cpp call is a subprocess (tests/llamacpp_worker.py) of that venv's python.
+venv of its own, so every llama.cpp call is a subprocess (scripts/llama_cpp_worker.py) of that venv's python.
 If it is not built yet, the first caller builds it (minutes, once); if that fails, the test fails saying
 why. Nothing is skipped.
 """
@@ -29,7 +29,7 @@ from enlace.hf.tokenizer import HFTokenizer
 from enlace.model import Llama
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("llamacpp_worker.py")
+WORKER = ROOT / "scripts" / "llama_cpp_worker.py"
 BUILD_TIMEOUT = 3600  # a cold build on 2 busy cores; a warm call returns in well under a second
 
 PROMPTS = [

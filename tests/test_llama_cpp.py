@@ -1,7 +1,7 @@
 """Every GGUF that ENLACE writes, read back by llama.cpp (issue 29).
 
 llama.cpp is the pinned llama-cpp-python build of scripts/llama_cpp.py (`make llama-cpp`), run in its own
-venv through tests/llamacpp_worker.py. For each file: it loads with no llama.cpp warning, llama.cpp
+venv through scripts/llama_cpp_worker.py. For each file: it loads with no llama.cpp warning, llama.cpp
 tokenizes our prompts into our ids, its greedy tokens equal `generate`'s for 32 tokens (a divergence is
 allowed only where the two logits tie within rounding), its perplexity on a Spanish text is within 1% of
 ENLACE's bits per byte, and it renders the chat template stored in the file into the prompt we render.

@@ -1,9 +1,10 @@
 """Runs inside llama.cpp's own venv (scripts/llama_cpp.py), never the project's: what llama.cpp makes of a GGUF.
 
-    <llama venv python> tests/llamacpp_worker.py REQUEST.json OUT_DIR
+    <llama venv python> scripts/llama_cpp_worker.py REQUEST.json OUT_DIR
+    <llama venv python> scripts/llama_cpp_worker.py quantize IN.gguf OUT.gguf FTYPE
 
 REQUEST: {"gguf": path, "n_ctx": int, "prompts": [[ids]], "new_tokens": int, "texts": [str],
-          "score": [ids], "chat": [messages]}. Writes OUT_DIR/result.json and, as .npy beside it, the logits
+          "score": [ids], "chat": [messages], "windows": [[x, y]]}. Writes OUT_DIR/result.json and, as .npy beside it, the logits
 llama.cpp computed: score.npy [len(score), vocab] for the scored text (one window, logits_all), and
 greedy_<i>.npy [new_tokens, vocab], the logits each greedy step chose from.
 
@@ -47,6 +48,27 @@ def greedy(llm: llama_cpp.Llama, prompt: list[int], n: int) -> tuple[list[int], 
     return tokens, np.stack(logits)
 
 
+def window_nats(llm: llama_cpp.Llama, x: list[int], y: list[int]) -> float:
+    """-sum log p(y[i] | x[:i+1]) over the targets that are not -100 (context only)."""
+    llm.reset()
+    llm.eval(x)
+    logits = np.array(llm.scores[: len(x)], dtype=np.float64)
+    keep = np.array([t != -100 for t in y])
+    rows, targets = logits[keep], np.array(y)[keep]
+    top = rows.max(axis=1, keepdims=True)
+    logz = np.log(np.exp(rows - top).sum(axis=1)) + top[:, 0]
+    return float((logz - rows[np.arange(len(targets)), targets]).sum())
+
+
+def quantize(src: str, dst: str, ftype: int) -> None:
+    """llama.cpp's own quantizer (llama-quantize), e.g. ftype 7 = Q8_0, 15 = Q4_K_M."""
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = 2
+    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)) != 0:
+        raise SystemExit(f"llama_model_quantize {src} -> {dst} (ftype {ftype}) failed")
+
+
 def chat_prompt(llm: llama_cpp.Llama, messages: list[dict]) -> dict:
     """The chat prompt as llama-cpp-python's server builds it from the file's tokenizer.chat_template."""
     template = llm.metadata.get("tokenizer.chat_template")
@@ -88,6 +110,9 @@ def main(request_path: str, out_dir: str) -> int:
         tokens, logits = greedy(llm, prompt, req["new_tokens"])
         result["greedy"].append(tokens)
         np.save(out / f"greedy_{i}.npy", logits)
+    # Windows of a long text (bench): summed nats of the scored targets, computed here, as the full
+    # logits of a window ([T, vocab]) are too big to hand back.
+    result["window_nats"] = [window_nats(llm, x, y) for x, y in req.get("windows", [])]
     if req.get("score"):
         llm.reset()
         llm.eval(req["score"])
@@ -98,4 +123,7 @@ def main(request_path: str, out_dir: str) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["quantize"]:
+        quantize(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+        sys.exit(0)
     sys.exit(main(*sys.argv[1:3]))
