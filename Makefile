@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench llama-cpp gpu-check system-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
+.PHONY: run test lint bench serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -26,11 +26,17 @@ system-deps:
 	  (apt-get install -y -q groff-base >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q groff-base >/dev/null)) || \
 	  echo "warning: groff not installed; man pages will be skipped")
 
+# The chat page's browser test drives Debian's chromium (Playwright's own browser download is not used).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || (command -v apt-get >/dev/null && \
+	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))) || \
+	  (echo "error: chromium is missing and could not be installed (apt-get install chromium); the chat page's browser test needs it" >&2; exit 1)
+
 run: $(STAMP) system-deps
 	$(BIN)/dvc repro
 	$(BIN)/enlace report
 
-test: $(STAMP) system-deps llama-cpp
+test: $(STAMP) system-deps browser-deps llama-cpp
 	$(BIN)/python -m pytest -q
 
 # llama.cpp (llama-cpp-python from its pinned PyPI source package, portable AVX2 flags) for the GGUF
@@ -45,6 +51,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench
+
+# The fine-tuned assistant of `make run` over an OpenAI-compatible API, chat page at http://127.0.0.1:8080/.
+# Other models or options: make serve SERVE_ARGS="--model models/smollm2-135m-instruct --port 8081"
+SERVE_ARGS ?=
+serve: $(STAMP)
+	$(BIN)/enlace serve $(SERVE_ARGS)
 
 gpu-check: $(STAMP)
 	$(BIN)/python -m enlace.gpu_check --out runs/gpu-check.json

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "bench_checkpoint": "checkpoint",
     "bench_overhead": "overhead",
     "bench_generate": "generate",
+    "bench_serve": "serve",
     "bench_lora": "lora",
     "bench_attention": "attention",
     "bench_pretrain": "pretrain",

@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "enlace.train.commands",
     "enlace.eval.commands",
     "enlace.finetune.commands",
+    "enlace.serve.commands",
     "enlace.hf.commands",
     "enlace.estimate",
 ]

@@ -1,0 +1,1 @@
+"""`enlace serve`: an OpenAI-compatible HTTP server and a chat page over ENLACE's own generation."""

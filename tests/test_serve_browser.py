@@ -1,0 +1,99 @@
+"""The chat page in a real headless browser: Debian's Chromium driven by Playwright, against a real server.
+
+A Spanish question is typed, the answer streams in (several updates, tokens per second shown), the Stop
+button ends it in the page and on the server, and the next question carries the conversation so far.
+`make test` installs chromium (the Makefile's system-deps); without it this test fails saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from helpers import make_folder
+from serve_helpers import Server, quiet_eos
+
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]  # fmt: skip
+QUESTION = "¿Qué podemos cenar hoy con huevos, patatas y cebolla? Explícamelo paso a paso, por favor."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-page")
+    # A model that all but never ends its answer, so there is a long one to stop by hand.
+    folder = quiet_eos(make_folder(root / "base", tied=False, max_position_embeddings=4096))
+    s = Server(["--model", str(folder), "--max-tokens", "3500"], cwd=root, log=root / "server.log")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists() or shutil.which("chromium") is None:
+        pytest.fail(
+            f"{CHROMIUM} not found: the chat page's browser test needs Debian's chromium "
+            "(`apt-get install chromium`, or `make test`, which installs it)"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def test_chat_page_streams_and_stops(server, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 1000, "height": 700})
+    bodies: list[dict] = []
+    page.on(
+        "request",
+        lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions") else None,
+    )
+    page.goto(server.url + "/")
+    page.wait_for_function("document.getElementById('model').textContent === 'base'")
+    assert page.is_disabled("#stop") and not page.is_disabled("#send")
+
+    page.fill("#prompt", QUESTION)
+    page.keyboard.press("Enter")
+    user = page.locator(".msg.user").first
+    assert user.inner_text() == QUESTION  # the Spanish text arrives whole
+    answer = page.locator(".msg.assistant").first
+    page.wait_for_function(
+        "Number(document.querySelector('.msg.assistant').dataset.updates) >= 2", timeout=60_000
+    )
+    seen = answer.locator(".text").text_content()
+    page.wait_for_function(  # still streaming: the text keeps growing
+        f"document.querySelector('.msg.assistant .text').textContent.length > {len(seen)}", timeout=30_000
+    )
+    assert answer.get_attribute("data-state") == "streaming" and not page.is_disabled("#stop")
+    page.wait_for_function("document.getElementById('speed').textContent.includes('tokens/s')")
+    assert bodies[0]["stream"] is True and bodies[0]["messages"] == [{"role": "user", "content": QUESTION}]
+
+    page.click("#stop")
+    page.wait_for_function("document.querySelector('.msg.assistant').dataset.state === 'stopped'")
+    assert "(detenido)" in answer.inner_text() and page.is_disabled("#stop")
+    h = server.wait_for(lambda h: h["busy"] == 0, timeout=30, what="generation stopped on the server")
+    assert h["cancelled"] == 1 and 0 < h["tokens_generated"] < 3500
+    stopped_text = answer.locator(".text").text_content()
+    time.sleep(0.5)
+    assert answer.locator(".text").text_content() == stopped_text  # nothing arrives after Stop
+
+    page.screenshot(path=str(tmp_path / "chat.png"))  # looked at by hand when the page changes
+
+    # The next question carries the conversation: the first question and the part of the answer it got.
+    page.fill("#prompt", "¿Y de postre?")
+    page.click("#send")
+    page.wait_for_function(
+        "Number(document.querySelectorAll('.msg.assistant')[1]?.dataset.updates) >= 2", timeout=60_000
+    )
+    roles = [m["role"] for m in bodies[1]["messages"]]
+    assert roles == ["user", "assistant", "user"] and bodies[1]["messages"][1]["content"] == stopped_text
+    page.click("#stop")
+    page.wait_for_function("document.querySelectorAll('.msg.assistant')[1].dataset.state === 'stopped'")
+    server.wait_for(lambda h: h["busy"] == 0 and h["cancelled"] == 2, timeout=30, what="second stop")
+    page.close()
