@@ -49,7 +49,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/ruff format --check src tests bench scripts
 
-bench: $(STAMP)
+bench: $(STAMP) llama-cpp
 	$(BIN)/python -m bench
 
 # The fine-tuned assistant of `make run` over an OpenAI-compatible API, chat page at http://127.0.0.1:8080/.
