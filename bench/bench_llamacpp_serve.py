@@ -121,8 +121,10 @@ def measure(server: Server, long_prompt: str, rounds: int, counter: list[int]) -
     decode, ttft, total = [], [], []
     for _ in range(rounds):
         t = server.stream(numbered(SHORT), NEW)
-        # Text chunks, not tokens: a chunk can hold back a partial UTF-8 character; both sides alike.
-        decode.append((len(t) - 2) / (t[-1] - t[1]))
+        # Exactly NEW tokens (no early stop); a text chunk may hold back a partial character, so the
+        # rate is tokens after the first over the time from the first chunk to the last.
+        assert len(t) - 1 >= NEW // 2, f"{len(t) - 1} text chunks for {NEW} tokens: did it stop early?"
+        decode.append((NEW - 1) / (t[-1] - t[1]))
         t = server.stream(numbered(long_prompt), 2)
         ttft.append(t[1] - t[0])
         results: list[list[float]] = []
@@ -134,7 +136,7 @@ def measure(server: Server, long_prompt: str, rounds: int, counter: list[int]) -
             th.start()
         for th in threads:
             th.join()
-        total.append(sum(len(r) - 1 for r in results) / (time.perf_counter() - t0))
+        total.append(STREAMS * NEW / (time.perf_counter() - t0))
     return {"decode_tokens_per_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
             "total_tokens_per_s": statistics.median(total), "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
 

@@ -23,6 +23,10 @@ from enlace.eval.token_bytes import TokenBytes
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
 
+# The first test on a machine without the cached build builds llama.cpp (minutes on 2 busy cores; `make test`
+# builds it before pytest starts, so there the limit stays the suite's).
+pytestmark = pytest.mark.timeout(3600)
+
 # The default run's shape (cpu-small: qk_norm, tied embeddings, GQA 2:1, seq_len 256, our sentencepiece
 # BPE with the chat markers), narrower and trained briefly so that greedy text is not a random model's.
 DEFAULT_SHAPE = [
