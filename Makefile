@@ -43,7 +43,7 @@ test: $(STAMP) system-deps browser-deps llama-cpp
 # round-trip tests and the serving benchmark: built once per machine into ~/.cache/enlace/llama-cpp, in a
 # venv of its own (never this one). A second call returns at once; a changed pin or flag rebuilds.
 llama-cpp: $(STAMP)
-	$(BIN)/python scripts/llama_cpp.py
+	$(BIN)/python scripts/llama_cpp_build.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench scripts

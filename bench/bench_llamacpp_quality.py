@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (the offline default base), bits per byte on the Spanish prose yardstick
 (assets/eval/prosa-es.txt), the same non-overlapping windows of 512 tokens and the same byte count on both
 sides (ENLACE's scorer: enlace.eval.score). ENLACE scores its decode weights fp32, bf16 and int8
-(`enlace generate --weights`); llama.cpp (the pinned build of scripts/llama_cpp.py) scores the F32, F16 and
+(`enlace generate --weights`); llama.cpp (the pinned build of scripts/llama_cpp_build.py) scores the F32, F16 and
 BF16 files that `enlace export --gguf` writes, and Q8_0 and Q4_K_M made from the F32 file by llama.cpp's own
 quantizer (ENLACE writes no quantized GGUF). llama.cpp runs with an f32 KV cache, so its F32 row is the same
 model as ENLACE fp32, and differs only by rounding.
@@ -53,7 +53,10 @@ def window_nats(model, windows) -> float:
 
 def llama_python() -> str:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "llama_cpp.py")], capture_output=True, text=True, check=False
+        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if proc.returncode:
         raise SystemExit(f"llama.cpp is not available: {proc.stderr.strip()[-1500:]}")

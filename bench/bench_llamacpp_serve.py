@@ -54,7 +54,7 @@ SHORT = "Escribe una receta sencilla de tortilla de patatas para una cena en fam
 
 def llama_python() -> str:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "llama_cpp.py")], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")], capture_output=True, text=True
     )
     if proc.returncode:
         raise SystemExit(f"llama.cpp is not available: {proc.stderr.strip()[-1500:]}")

@@ -1,4 +1,4 @@
-"""Runs inside llama.cpp's own venv (scripts/llama_cpp.py), never the project's: what llama.cpp makes of a GGUF.
+"""Runs inside llama.cpp's own venv (scripts/llama_cpp_build.py), never the project's: what llama.cpp makes of a GGUF.
 
     <llama venv python> scripts/llama_cpp_worker.py REQUEST.json OUT_DIR
     <llama venv python> scripts/llama_cpp_worker.py quantize IN.gguf OUT.gguf FTYPE

@@ -1,6 +1,6 @@
 """What llama.cpp makes of a GGUF that ENLACE wrote, compared with ENLACE itself (no tests here).
 
-llama.cpp comes from scripts/llama_cpp.py: built once per machine into a cache outside the repository, in a
+llama.cpp comes from scripts/llama_cpp_build.py: built once per machine into a cache outside the repository, in a
 venv of its own, so every llama.cpp call is a subprocess (scripts/llama_cpp_worker.py) of that venv's python.
 If it is not built yet, the first caller builds it (minutes, once); if that fails, the test fails saying
 why. Nothing is skipped.
@@ -58,7 +58,7 @@ LOGIT_TOL = 5e-3  # fp32 in both, summed in other orders: what rounding alone ca
 def llama_python() -> Path:
     """The llama.cpp venv's python, built first if this machine has none."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "llama_cpp.py")],
+        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")],
         capture_output=True, text=True, timeout=BUILD_TIMEOUT,
     )  # fmt: skip
     if proc.returncode:

@@ -1,6 +1,6 @@
 """Every GGUF that ENLACE writes, read back by llama.cpp (issue 29).
 
-llama.cpp is the pinned llama-cpp-python build of scripts/llama_cpp.py (`make llama-cpp`), run in its own
+llama.cpp is the pinned llama-cpp-python build of scripts/llama_cpp_build.py (`make llama-cpp`), run in its own
 venv through scripts/llama_cpp_worker.py. For each file: it loads with no llama.cpp warning, llama.cpp
 tokenizes our prompts into our ids, its greedy tokens equal `generate`'s for 32 tokens (a divergence is
 allowed only where the two logits tie within rounding), its perplexity on a Spanish text is within 1% of
@@ -129,7 +129,7 @@ def test_llama_cpp_script_warm_call_is_quick():
     import time
 
     llama_python()  # built (once per machine) before the warm call is timed
-    script = Path(__file__).resolve().parents[1] / "scripts" / "llama_cpp.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "llama_cpp_build.py"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr

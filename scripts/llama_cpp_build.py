@@ -1,7 +1,7 @@
 """llama.cpp for the tests and benchmarks: llama-cpp-python built once from its pinned PyPI source package.
 
-    python scripts/llama_cpp.py           build if needed, then print the venv's python (the last line)
-    python scripts/llama_cpp.py --check   print it if built, else exit 1 saying how to build it
+    python scripts/llama_cpp_build.py           build if needed, then print the venv's python (the last line)
+    python scripts/llama_cpp_build.py --check   print it if built, else exit 1 saying how to build it
 
 The build goes to a cache outside the repository, shared by every clone on the machine:
 
