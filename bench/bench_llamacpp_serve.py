@@ -9,7 +9,8 @@ greedy, no early stop: ENLACE's ignore_eos, llama.cpp's logit_bias on the eos id
 - decode tokens/s at batch 1: (N - 1) / (arrival of the last token - arrival of the first), N = 64;
 - time to first token for a 500-token prompt (a prefix of the prose yardstick);
 - total tokens/s of 4 concurrent streams of N tokens (ENLACE with --slots 4; llama-cpp-python's server
-  serves one request at a time, so its streams queue);
+  serves one request at a time, so its streams queue: --interrupt_requests False, as by default a new
+  request cuts the running one short);
 - resident memory: the server process's peak (VmHWM) after all of it.
 
 Every prompt starts with a request number, so neither server can reuse a cached prefix (llama-cpp-python
@@ -136,7 +137,9 @@ def measure(server: Server, long_prompt: str, rounds: int, counter: list[int]) -
             th.start()
         for th in threads:
             th.join()
-        total.append(STREAMS * NEW / (time.perf_counter() - t0))
+        wall = time.perf_counter() - t0
+        assert all(len(r) - 1 >= NEW // 2 for r in results), [len(r) - 1 for r in results]  # none cut short
+        total.append(STREAMS * NEW / wall)
     return {"decode_tokens_per_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
             "total_tokens_per_s": statistics.median(total), "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
 
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             port = free_port()
             peer = Server(
                 [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
-                 "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--host", "127.0.0.1", "--port", str(port)],
+                 "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port", str(port)],
                 port, {"logit_bias": {str(eos): -1e9}}, env,
             )  # fmt: skip
             try:
