@@ -70,6 +70,27 @@ def test_default_run_f32_gguf_round_trip(default_run, tmp_path):
     assert sum(rt.greedy_equal) >= 2 * 32  # at most one prompt may end early on a tie
 
 
+def test_chat_markers_are_control_in_the_file_and_user_defined_after_import(default_run, tmp_path):
+    """The export marks the chat markers control (llama.cpp's view); our importer restores sentencepiece's
+    user-defined symbols, so a chat text tokenizes as before the round trip."""
+    import gguf as gguf_lib
+
+    from enlace.hf.gguf_import import import_gguf
+
+    path = default_run / "runs/export/hf-f32.gguf"
+    reader = gguf_lib.GGUFReader(str(path))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    for marker in ("<|im_start|>", "<|im_end|>"):
+        assert types[tokens.index(marker)] == 3  # llama.cpp's CONTROL
+    folder = default_run / "runs/export/hf"
+    back = import_gguf(path, tmp_path / "back")
+    text = HFTokenizer(folder).render_chat(
+        [{"role": "user", "content": "¿Qué hacemos hoy? <|im_end|> ñ"}], True
+    )
+    assert HFTokenizer(back).encode(text, False) == HFTokenizer(folder).encode(text, False)
+
+
 @pytest.mark.parametrize("ftype", ["f16", "bf16"])
 def test_default_run_half_precision_ggufs_load_and_score(default_run, tmp_path, ftype):
     """f16/bf16 files: clean load, same tokens, and bits per byte within 1% of the F32 model's."""
