@@ -160,6 +160,7 @@ def ensure_wheel(work: Path) -> Path:
             raise BuildError(f"pip wheel left {[p.name for p in built]} in {out}, expected one wheel")
         if wheels.exists():
             shutil.rmtree(wheels)
+        out.chmod(0o755)  # mkdtemp's 0700 would hide the shared cache from other users
         os.replace(out, wheels)
     finally:
         shutil.rmtree(out, ignore_errors=True)
