@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench serve gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
+.PHONY: run test lint bench serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -37,14 +37,15 @@ run: $(STAMP) system-deps
 	$(BIN)/dvc repro
 	$(BIN)/enlace report
 
-test: $(STAMP) system-deps browser-deps
+test: $(STAMP) system-deps browser-deps llama-cpp
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
-lint: $(STAMP)
-	$(BIN)/ruff check src tests bench tools
-	$(BIN)/ruff format --check src tests bench tools
-	PYTHONPATH=src $(BIN)/lint-imports --no-cache
+# llama.cpp (llama-cpp-python from its pinned PyPI source package, portable AVX2 flags) for the GGUF
+# round-trip tests and the serving benchmark: built once per machine into ~/.cache/enlace/llama-cpp, in a
+# venv of its own (never this one). A second call returns at once; a changed pin or flag rebuilds.
+llama-cpp: $(STAMP)
+	$(BIN)/python scripts/llama_cpp_build.py
 
 # The reference pages are generated from the config models and the CLI parser, then the site is built;
 # --strict turns a broken link or anchor, or a page missing from mkdocs.yml's nav, into an error.
@@ -53,7 +54,12 @@ docs: $(STAMP)
 	$(BIN)/python tools/gen_docs.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-bench: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench tools scripts
+	$(BIN)/ruff format --check src tests bench tools scripts
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
+
+bench: $(STAMP) llama-cpp
 	$(BIN)/python -m bench
 
 # The fine-tuned assistant of `make run` over an OpenAI-compatible API, chat page at http://127.0.0.1:8080/.

@@ -22,6 +22,8 @@ BENCHMARKS = {
     "bench_overhead": "overhead",
     "bench_generate": "generate",
     "bench_serve": "serve",
+    "bench_llamacpp_serve": "llamacpp_serve",
+    "bench_llamacpp_quality": "llamacpp_quality",
     "bench_lora": "lora",
     "bench_attention": "attention",
     "bench_pretrain": "pretrain",

@@ -42,8 +42,11 @@ def spanish_doc(rng: random.Random) -> str:
     return "\n\n".join(paras)
 
 
-def make_project(folder: Path, qk_norm: bool = True, tied: bool = True, seed: int = 0) -> Path:
-    """params, configs and a corpus in `folder`; then tokenize, shard and a 6-step pretrain run there.
+def make_project(
+    folder: Path, qk_norm: bool = True, tied: bool = True, seed: int = 0, train: tuple[str, ...] = ()
+) -> Path:
+    """params, configs and a corpus in `folder`; then tokenize, shard and a 6-step pretrain run there
+    (`train`: more `--set` arguments for the pretrain run, after TINY's).
 
     The caller must chdir into folder first (the stages use paths relative to the project root).
     """
@@ -72,7 +75,9 @@ def make_project(folder: Path, qk_norm: bool = True, tied: bool = True, seed: in
         "--set",
         f"model.tie_embeddings={str(tied).lower()}",
     ]
-    assert main(["pretrain", "--no-progress", "--run-dir", "runs/pretrain", *TINY, *model, *data]) == 0
+    assert (
+        main(["pretrain", "--no-progress", "--run-dir", "runs/pretrain", *TINY, *train, *model, *data]) == 0
+    )
     return folder
 
 

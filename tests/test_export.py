@@ -1,5 +1,5 @@
 """`enlace export`: a trained run as a Hugging Face folder and GGUF, checked against transformers, PEFT,
-our own GGUF importer and (when it builds) llama.cpp. One tiny run is trained once for the module."""
+and our own GGUF importer (llama.cpp: tests/test_llama_cpp.py). One tiny run is trained once for the module."""
 
 from __future__ import annotations
 
@@ -212,22 +212,6 @@ def test_gguf_round_trip_and_transformers(in_project, tmp_path, ftype, caplog):
     g, _ = hf_load(tmp_path, caplog, gguf_file=path.name, head_dim=ref.cfg.head_dim)
     with torch.no_grad():
         assert (g(torch.tensor([ids])).logits - ref(torch.tensor([ids])).logits).abs().max() < 1e-4
-
-
-def test_llama_cpp_greedy_tokens_equal(in_project):
-    llama_cpp = pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not installed (it builds from source)"
-    )
-    ours, _, _ = load_trained_model(in_project / "runs/pretrain")
-    ids = ours_ids(in_project)
-    llm = llama_cpp.Llama(str(in_project / "runs/export/hf-f32.gguf"), n_ctx=64, verbose=False, n_threads=1)
-    llm.reset()
-    got = []
-    for t in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
-        got.append(t)
-        if len(got) == 10:
-            break
-    assert got == list(generate(ours, ids, 10))
 
 
 def test_finetune_on_export_then_peft_and_merged_export(in_project, tmp_path, caplog):

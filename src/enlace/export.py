@@ -26,7 +26,6 @@ from .io import atomic_dir, atomic_write_json, sha256_file
 from .model import Llama
 
 DEFAULT_OUT = paths.RUNS / "export" / "hf"
-CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
 # Our shards put </s> after every document, so a text the model continues starts right after one: the
 # exported tokenizer adds it in front, as `enlace generate` does, and calls it the BOS token.
 DOC_SEPARATOR = "</s>"
@@ -98,7 +97,7 @@ def sentencepiece_bundle(tokenizer_dir: Path, seq_len: int, val_texts: list[str]
         pair=f"{DOC_SEPARATOR} $A {DOC_SEPARATOR} $B",
         special_tokens=[(DOC_SEPARATOR, sep)],
     )
-    chat = all(m in vocab for m in CHAT_MARKERS)
+    chat = all(m in vocab for m in sp_convert.CHAT_MARKERS)
     cfg: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": DOC_SEPARATOR,

@@ -37,11 +37,16 @@ def spm_vocab(model_file: Path) -> dict[str, Any]:
     if m.model_type != "bpe":
         # llama.cpp's sentencepiece tokenizer merges pieces by score, which is sentencepiece's BPE.
         print(f"note: {model_file} is {m.model_type}; llama.cpp tokenizes text as BPE (pass token ids)")
+    # Our chat markers are sentencepiece user-defined symbols; llama.cpp expects control tokens for them
+    # (it warns "control-looking token ... probably a bug in the model" and overrides <|im_end|>), so the
+    # file says control, and lists the pieces so that our importer restores them as user-defined.
+    marked = [p for p, _, t in m.pieces if t == sp_convert.USER_DEFINED and p in sp_convert.CHAT_MARKERS]
     return {
         "model": "llama",
         "tokens": [p for p, _, _ in m.pieces],
         "scores": [s for _, s, _ in m.pieces],
-        "types": [t for _, _, t in m.pieces],
+        "types": [sp_convert.CONTROL if p in marked else t for p, _, t in m.pieces],
+        "user_defined": marked,
         "unk": m.ids_of(sp_convert.UNKNOWN)[0],
         "split_digits": bool(m.trainer.get("split_digits", 0)),
         "type": m.model_type,
@@ -133,6 +138,8 @@ def write_gguf(
             # What our importer needs to rebuild the exact sentencepiece pipeline (llama.cpp ignores them).
             w.add_bool("enlace.tokenizer.split_digits", bool(vocab.get("split_digits", False)))
             w.add_string("enlace.tokenizer.type", vocab.get("type", "bpe"))
+            if vocab.get("user_defined"):
+                w.add_array("enlace.tokenizer.user_defined", list(vocab["user_defined"]))
         for key, fn in (
             ("bos", w.add_bos_token_id),
             ("eos", w.add_eos_token_id),

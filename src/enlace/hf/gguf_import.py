@@ -280,6 +280,9 @@ def spm_tokenizer(meta: dict[str, Any]):
     if len(tokens) == 256 and all(t == sp_convert.BYTE for t in types):
         return sp_convert.byte_tokenizer()
     scores = list(meta.get("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    # Pieces the export marked control for llama.cpp's sake were user-defined symbols in our model.
+    user = set(meta.get("enlace.tokenizer.user_defined", []))
+    types = [sp_convert.USER_DEFINED if p in user else t for p, t in zip(tokens, types, strict=True)]
     m = sp_convert.SentencePieceModel(
         pieces=list(zip(tokens, (float(s) for s in scores), types, strict=True)),
         trainer={

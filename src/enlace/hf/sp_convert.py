@@ -19,6 +19,8 @@ from typing import Any
 from ..errors import EnlaceError
 
 SPACE = "\u2581"  # sentencepiece's visible space, "▁"
+# ChatML's turn markers: user-defined pieces of our tokenizer (data/tokenize.py), control tokens in exports.
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")
 # sentencepiece.ModelProto piece types.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 MODEL_TYPES = {1: "unigram", 2: "bpe", 3: "word", 4: "char"}

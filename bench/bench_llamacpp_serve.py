@@ -1,0 +1,226 @@
+"""Serving speed: `enlace serve` against llama.cpp's server (llama-cpp-python's) on the same weights.
+
+SmolLM2-135M-Instruct. ENLACE serves the Hugging Face folder with `--weights W`; llama.cpp serves the GGUF
+that `enlace export --gguf` writes from that folder, at the matching precision: fp32 against F32, bf16
+against BF16, and ENLACE's weight-only int8 against llama.cpp's Q8_0 (quantized from the F32 file by llama.cpp
+itself). Both servers are real child processes on 2 threads; the client streams over HTTP (/v1/completions,
+greedy, no early stop: ENLACE's ignore_eos, llama.cpp's logit_bias on the eos id) and measures:
+
+- decode tokens/s at batch 1: (N - 1) / (arrival of the last token - arrival of the first), N = 64;
+- time to first token for a 500-token prompt (a prefix of the prose yardstick);
+- total tokens/s of 4 concurrent streams of N tokens (ENLACE with --slots 4; llama-cpp-python's server
+  serves one request at a time, so its streams queue: --interrupt_requests False, as by default a new
+  request cuts the running one short);
+- resident memory: the server process's peak (VmHWM) after all of it.
+
+Every prompt starts with a request number, so neither server can reuse a cached prefix (llama-cpp-python
+keeps the last prompt's KV cache and reuses a common prefix; `enlace serve` has no prompt cache).
+Ratios are ENLACE over llama.cpp for rates, llama.cpp over ENLACE for times and memory (> 1: ENLACE better).
+Goal (issue 29): decode at least 1.0x llama.cpp at the same precision.
+
+    python -m bench.bench_llamacpp_serve [ROUNDS] [PAIRS]   e.g. `1 fp32` for a short check
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.bench_serve import cpu_model, free_port
+from bench.common import format_row, goal_row, write_result
+from enlace.hf.gguf_export import export_folder_gguf
+from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
+from enlace.hf.tokenizer import HFTokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "scripts" / "llama_cpp_worker.py"
+PROSE = ROOT / "assets" / "eval" / "prosa-es.txt"
+NEW = 64
+LONG_PROMPT = 500
+STREAMS = 4
+THREADS = 2
+PAIRS = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0"}  # enlace --weights -> the llama.cpp file
+SHORT = "Escribe una receta sencilla de tortilla de patatas para una cena en familia."
+
+
+def llama_python() -> str:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")], capture_output=True, text=True
+    )
+    if proc.returncode:
+        raise SystemExit(f"llama.cpp is not available: {proc.stderr.strip()[-1500:]}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+class Server:
+    """A server child process, ready when /v1/models answers; `extra` is merged into every request body."""
+
+    def __init__(self, cmd: list[str], port: int, extra: dict, env: dict | None = None):
+        self.port, self.extra = port, extra
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 600
+        while True:
+            if self.proc.poll() is not None:
+                self.log.seek(0)
+                raise SystemExit(f"{cmd[:4]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/v1/models")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.5)
+
+    def stream(self, prompt: str, n: int) -> list[float]:
+        """Arrival times (perf_counter) of the streamed chunks that carry text, request sent at [0]."""
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "top_p": 1, "stream": True, **self.extra}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:500]
+        times = [t0]
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            choices = json.loads(line[5:]).get("choices") or []
+            if choices and choices[0].get("text"):
+                times.append(time.perf_counter())
+        conn.close()
+        return times
+
+    def peak_rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def measure(server: Server, long_prompt: str, rounds: int, counter: list[int]) -> dict[str, float]:
+    def numbered(text: str) -> str:
+        counter[0] += 1
+        return f"Petición {counter[0]}. {text}"
+
+    decode, ttft, total = [], [], []
+    for _ in range(rounds):
+        t = server.stream(numbered(SHORT), NEW)
+        # Exactly NEW tokens (no early stop); a text chunk may hold back a partial character, so the
+        # rate is tokens after the first over the time from the first chunk to the last.
+        assert len(t) - 1 >= NEW // 2, f"{len(t) - 1} text chunks for {NEW} tokens: did it stop early?"
+        decode.append((NEW - 1) / (t[-1] - t[1]))
+        t = server.stream(numbered(long_prompt), 2)
+        ttft.append(t[1] - t[0])
+        results: list[list[float]] = []
+        prompts = [numbered(SHORT) for _ in range(STREAMS)]
+        threads = [threading.Thread(target=lambda p=p, out=results: out.append(server.stream(p, NEW)))
+                   for p in prompts]  # fmt: skip
+        t0 = time.perf_counter()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        wall = time.perf_counter() - t0
+        assert all(len(r) - 1 >= NEW // 2 for r in results), [len(r) - 1 for r in results]  # none cut short
+        total.append(STREAMS * NEW / wall)
+    return {"decode_tokens_per_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
+            "total_tokens_per_s": statistics.median(total), "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = argv if argv is not None else sys.argv[1:]
+    rounds = int(args[0]) if args else int(os.environ.get("BENCH_ROUNDS", "3"))
+    pairs = args[1].split(",") if len(args) > 1 else list(PAIRS)
+    folder = import_smollm2(DEFAULT_OUT)
+    tok = HFTokenizer(folder)
+    long_prompt = tok.decode(
+        tok.encode(PROSE.read_text(encoding="utf-8"), add_special_tokens=False)[:LONG_PROMPT]
+    )
+    eos = tok.eos_id
+    py = llama_python()
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "OMP_WAIT_POLICY": "PASSIVE"}
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    counter = [0]
+    with tempfile.TemporaryDirectory(prefix="enlace-serve-gguf-") as tmp:
+        f32 = export_folder_gguf(folder, Path(tmp) / "m-f32.gguf", "f32")
+        for weights in pairs:
+            kind = PAIRS[weights]
+            gguf = f32 if kind == "F32" else Path(tmp) / f"m-{kind}.gguf"
+            if kind == "BF16":
+                export_folder_gguf(folder, gguf, "bf16")
+            elif kind == "Q8_0":
+                subprocess.run(
+                    [py, str(WORKER), "quantize", str(f32), str(gguf), "7"], check=True, capture_output=True
+                )
+            port = free_port()
+            ours = Server(
+                [sys.executable, "-m", "enlace.cli", "serve", "--model", str(folder), "--weights", weights,
+                 "--port", str(port), "--slots", str(STREAMS), "--max-tokens", str(NEW)],
+                port, {"ignore_eos": True}, env,
+            )  # fmt: skip
+            try:
+                results[f"enlace {weights}"] = measure(ours, long_prompt, rounds, counter)
+            finally:
+                ours.stop()
+            port = free_port()
+            peer = Server(
+                [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
+                 "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port", str(port)],
+                port, {"logit_bias": {str(eos): -1e9}}, env,
+            )  # fmt: skip
+            try:
+                results[f"llama.cpp {kind}"] = measure(peer, long_prompt, rounds, counter)
+            finally:
+                peer.stop()
+            print(f"{weights} vs {kind}: enlace {results[f'enlace {weights}']}, llama.cpp {results[f'llama.cpp {kind}']}",
+                  flush=True)  # fmt: skip
+    cpu = cpu_model()
+    print(f"\nCPU: {cpu}; {THREADS} threads each; torch {torch.__version__}; SmolLM2-135M-Instruct")
+    head = f"{'server':<16} {'decode tok/s':>12} {'TTFT 500 (s)':>12} {'4 streams tok/s':>15} {'peak RSS MiB':>12}"
+    print(head)
+    for who, r in results.items():
+        print(f"{who:<16} {r['decode_tokens_per_s']:>12.1f} {r['ttft_s']:>12.3f} {r['total_tokens_per_s']:>15.1f} "
+              f"{r['peak_rss_mib']:>12.0f}")  # fmt: skip
+    rows, ratios = [], {}
+    for weights in pairs:
+        a, b = results[f"enlace {weights}"], results[f"llama.cpp {PAIRS[weights]}"]
+        ratios[weights] = {
+            "decode": a["decode_tokens_per_s"] / b["decode_tokens_per_s"],
+            "ttft": b["ttft_s"] / a["ttft_s"],
+            "streams": a["total_tokens_per_s"] / b["total_tokens_per_s"],
+            "rss": b["peak_rss_mib"] / a["peak_rss_mib"],
+        }
+        r = ratios[weights]
+        print(f"ratios {weights} vs {PAIRS[weights]} (>1: enlace better): decode {r['decode']:.2f}x, "
+              f"TTFT {r['ttft']:.2f}x, 4 streams {r['streams']:.2f}x, memory {r['rss']:.2f}x")  # fmt: skip
+        rows.append(goal_row("decode tokens/s, served (batch 1)", f"enlace serve {weights}",
+                             f"llama.cpp server {PAIRS[weights]}", r["decode"], ">=", 1.0,
+                             note=f"TTFT(500) {r['ttft']:.2f}x, 4 streams {r['streams']:.2f}x, memory "
+                                  f"{r['rss']:.2f}x; {cpu}"))  # fmt: skip
+    write_result("llamacpp_serve", {"cpu_model": cpu, "threads": THREADS, "new_tokens": NEW, "rounds": rounds,
+                                    "long_prompt_tokens": LONG_PROMPT, "results": results, "ratios": ratios,
+                                    "rows": rows})  # fmt: skip
+    for r in rows:
+        print(format_row(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
