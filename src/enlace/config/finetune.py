@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field, StrictFloat, StrictInt, field_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from .base import Strict
 
@@ -55,6 +55,10 @@ class FinetuneConfig(Strict):
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",
         "Dame tres consejos para que los niños se acuesten temprano.",
     ]
+    # Questions the instruction set never saw, with topic keywords: finetune-eval answers and judges each one
+    # (in Spanish, on topic, no loops; enlace.finetune.judge). null: none. judge_base: the base model too.
+    questions: str | None = "assets/instruct/es_preguntas_nuevas.jsonl"
+    judge_base: StrictBool = True
     generation: FinetuneGeneration = FinetuneGeneration()
 
     @field_validator("targets", mode="before")
