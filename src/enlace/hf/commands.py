@@ -70,7 +70,7 @@ def _bench_bases(args: argparse.Namespace) -> int:
             f"assistant ({Path(ft.base_model).name} + LoRA)",
             Path(ft.base_model),
             Path(ft.out) / "adapter",
-            how=f"fine-tune it first (`enlace finetune --finetune {ft.name}`)",
+            how=f"fine-tune it first (`make assistant`, or `enlace finetune --finetune {ft.name}`)",
         ),
     ]
     rows = bench_bases(
