@@ -3,9 +3,14 @@
 RMSNorm, SwiGLU, rotary embeddings in the Hugging Face half-split convention, grouped-query attention,
 optional QK-norm and z-loss, tied input/output embeddings, and a KV cache for generation.
 
-Module names mirror Hugging Face's LlamaForCausalLM (and Qwen3's q_norm/k_norm), so a state dict maps
-one to one: `model.layers.3.self_attn.q_proj.weight` here is the same tensor there. Precision and
-parallelism are the trainer's business; this file only describes the computation.
+Config switches (config/model.py; all off by default) make the same decoder Gemma 3: RMSNorm by
+(1 + weight), sandwich norms, GeGLU, embeddings scaled by sqrt(d_model), a stated head_dim and attention
+scale, and local sliding-window layers with their own RoPE base between the global ones.
+
+Module names mirror Hugging Face's LlamaForCausalLM (Qwen3's q_norm/k_norm, Gemma3ForCausalLM's
+pre/post-feedforward norms), so a state dict maps one to one: `model.layers.3.self_attn.q_proj.weight` here
+is the same tensor there. Precision and parallelism are the trainer's business; this file only describes
+the computation.
 """
 
 from __future__ import annotations
@@ -23,15 +28,18 @@ IGNORE_INDEX = -100  # label value that contributes nothing to the loss (prompt 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32: under fp16 autocast the mean of squares overflows easily.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            # Gemma: scale by (1 + weight) in fp32, then cast (as Gemma's reference does).
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -89,8 +97,16 @@ def uses_matmul_attention(device_type: str, sdpa_backend: str, seq_len: int) -> 
     return device_type == "cpu" and sdpa_backend == "auto" and seq_len <= CPU_MATMUL_ATTENTION_MAX_LEN
 
 
-def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Causal softmax(q k^T / sqrt(D)) v for q [B, H, T, D] and k, v [B, KV, T, D].
+def matmul_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    scale: float | None = None,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Causal softmax(q k^T * scale) v for q [B, H, T, D] and k, v [B, KV, T, D]; scale defaults to
+    1/sqrt(D). With a window, each query sees only the last `window` positions, its own included.
 
     Each KV head serves H / KV consecutive query heads (SDPA's enable_gqa grouping): viewing those query
     heads as one sequence of group * T rows shares the KV head without repeating it in memory.
@@ -98,9 +114,11 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     B, H, T, D = q.shape
     kv_heads = k.shape[1]
     group = H // kv_heads
-    q = (q * D**-0.5).reshape(B, kv_heads, group * T, D)
+    q = (q * (D**-0.5 if scale is None else scale)).reshape(B, kv_heads, group * T, D)
     scores = (q @ k.transpose(-1, -2)).view(B, kv_heads, group, T, T)
     future = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+    if window is not None and window < T:
+        future |= torch.ones(T, T, dtype=torch.bool, device=q.device).tril(-window)
     # In place: the matmul's backward needs its inputs, not its output.
     probs = torch.softmax(scores.masked_fill_(future, float("-inf")), dim=-1)
     if dropout_p:
@@ -108,18 +126,30 @@ def matmul_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_
     return (probs.view(B, kv_heads, group * T, T) @ v).view(B, H, T, D)
 
 
+def visible(start: int, T: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Boolean [T, start + T]: which positions the queries at start..start+T-1 attend to (causal, and
+    within the sliding window if there is one)."""
+    i = torch.arange(start, start + T, device=device)[:, None]
+    j = torch.arange(start + T, device=device)[None, :]
+    allowed = j <= i
+    return allowed & (j > i - window) if window is not None else allowed
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto", window: int | None = None):
         super().__init__()
         self.sdpa_backend = sdpa_backend
+        self.window = window  # None: global attention
+        s = cfg.query_pre_attn_scalar
+        self.scale = None if s is None else s**-0.5  # None: SDPA's own 1/sqrt(head_dim)
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         # QK-norm (as in Qwen3): RMSNorm over head_dim bounds the attention logits.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.dropout = cfg.dropout
 
     def forward(
@@ -141,9 +171,9 @@ class Attention(nn.Module):
 
         dropout_p = self.dropout if self.training else 0.0
         if cache is None and uses_matmul_attention(x.device.type, self.sdpa_backend, T):
-            y = matmul_attention(q, k, v, dropout_p)
+            y = matmul_attention(q, k, v, dropout_p, self.scale, self.window)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
-        mask, causal = None, True
+        mask, causal, start = None, True, 0
         if cache is not None:
             start = cache.pos
             cache.k[layer][:, :, start : start + T] = k
@@ -153,8 +183,11 @@ class Attention(nn.Module):
                 # New queries see every cached position and the causal part of their own chunk.
                 causal = False
                 if T > 1:
-                    i = torch.arange(T, device=x.device)[:, None] + start
-                    mask = torch.arange(start + T, device=x.device)[None, :] <= i
+                    mask = visible(start, T, None, x.device)
+        if self.window is not None and start + T > self.window:
+            # A local layer: positions older than the window are hidden too. (The cache keeps them: the
+            # mask is cheap next to a rolling buffer, and both kinds of layer share one cache layout.)
+            mask, causal = visible(start, T, self.window, x.device), False
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -162,35 +195,57 @@ class Attention(nn.Module):
             attn_mask=mask,
             is_causal=causal and mask is None,
             dropout_p=dropout_p,
+            scale=self.scale,
             # GQA without materialising repeated KV heads, where the backend supports it.
             enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with GELU (tanh approximation)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.act = F.silu if cfg.mlp_act == "silu" else gelu_tanh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
+    def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto", layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.self_attn = Attention(cfg, sdpa_backend)
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_unit_offset)
+
+        window = cfg.sliding_window if cfg.is_local(layer) else None
+        self.sandwich = cfg.sandwich_norm
+        # Hugging Face's names: in Llama post_attention_layernorm is the norm before the MLP; in Gemma it is
+        # the norm on the attention output, and pre_/post_feedforward_layernorm wrap the MLP.
+        self.input_layernorm = norm()
+        self.self_attn = Attention(cfg, sdpa_backend, window)
+        self.post_attention_layernorm = norm()
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
     def forward(self, x, cos, sin, cache=None, layer=0):
+        if self.sandwich:
+            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
+            x = x + self.dropout(h)
+            h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            return x + self.dropout(h)
         x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
@@ -199,8 +254,8 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, sdpa_backend: str = "auto"):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(Block(cfg, sdpa_backend) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.layers = nn.ModuleList(Block(cfg, sdpa_backend, i) for i in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_unit_offset)
 
 
 @dataclass
@@ -226,7 +281,9 @@ class Llama(nn.Module):
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if p.dim() == 1 and self.cfg.norm_unit_offset:  # norm weights: the identity scale
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 # Residual-branch outputs: scaled so the residual stream's variance does not grow with depth.
@@ -244,10 +301,16 @@ class Llama(nn.Module):
         if start + T > (cache.max_len if cache is not None else self.cfg.seq_len):
             raise ValueError(f"sequence of {start + T} tokens exceeds the window of {self.cfg.seq_len}")
         positions = torch.arange(start, start + T, device=idx.device)
-        cos, sin = rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_theta)
         x = self.model.embed_tokens(idx)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if self.cfg.embed_scale:
+            # The scale in the embedding's dtype, as Gemma's reference rounds it (25.25 for 640 in bf16).
+            x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
+        rope = [rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_theta)]
+        if self.cfg.rope_local_theta is not None:
+            rope.append(rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_local_theta))
+        rope = [(cos.to(x.dtype), sin.to(x.dtype)) for cos, sin in rope]
         for i, block in enumerate(self.model.layers):
+            cos, sin = rope[1] if len(rope) > 1 and self.cfg.is_local(i) else rope[0]
             x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T
@@ -425,6 +488,6 @@ def closed_form_num_parameters(cfg: ModelConfig) -> int:
     d, hd = cfg.d_model, cfg.head_dim
     attn = d * cfg.n_head * hd * 2 + d * cfg.n_kv_head * hd * 2  # q, o and k, v
     mlp = 3 * d * cfg.ffn_dim
-    norms = 2 * d + (2 * hd if cfg.qk_norm else 0)
+    norms = (4 if cfg.sandwich_norm else 2) * d + (2 * hd if cfg.qk_norm else 0)
     embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
     return cfg.n_layer * (attn + mlp + norms) + embed + d

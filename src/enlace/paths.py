@@ -12,6 +12,9 @@ RUNS = Path("runs")  # checkpoints, metrics and plots of each stage
 SMOLLM2_DIR = (
     MODELS / "smollm2-135m-instruct"
 )  # the offline default base model, built by `enlace import-gguf`
+GEMMA3_DIR = (
+    MODELS / "gemma3-270m"
+)  # Gemma 3 270M (multilingual base), built by `enlace import-gguf --base gemma3-270m`
 PYPI_CACHE = RAW / "pypi"  # wheels fetched from PyPI (checksummed)
 BENCH_ES = (
     Path("assets") / "bench_es"

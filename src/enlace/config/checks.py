@@ -18,7 +18,7 @@ def _fail(cfg: Config, key: str, message: str) -> ConfigError:
 
 def check_model(cfg: Config) -> None:
     m = cfg.layers["model"]
-    if m.d_model % m.n_head:
+    if m.attn_head_dim is None and m.d_model % m.n_head:
         raise _fail(cfg, "model.n_head", f"d_model {m.d_model} is not divisible by n_head {m.n_head}")
     if m.n_head % m.n_kv_head:
         raise _fail(

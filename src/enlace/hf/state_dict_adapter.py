@@ -4,7 +4,9 @@ Our module names already equal transformers' LlamaForCausalLM / Qwen3ForCausalLM
 side only has to handle the tied output head and check that every tensor is there with the right shape.
 The GGUF side renames tensors (`blk.N.attn_q` ...) and, for llama.cpp's `llama` architecture only, permutes
 the rows of q_proj/k_proj: llama.cpp rotates interleaved pairs (2i, 2i+1) where we rotate halves
-(i, i + head_dim/2). Its `qwen3` architecture uses the half-split (NeoX) rotation, so nothing is permuted.
+(i, i + head_dim/2). Its `qwen3` and `gemma3` architectures use the half-split (NeoX) rotation, so nothing
+is permuted there. Its `gemma3` names the four norms of a layer after their place and stores every norm
+weight as 1 + w, the scale its kernels multiply by; Hugging Face's Gemma (and ours) stores w.
 """
 
 from __future__ import annotations
@@ -33,6 +35,13 @@ GGUF_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# llama.cpp's gemma3: ffn_norm is the norm before the MLP, and two more norms wrap the attention and MLP outputs.
+GEMMA3_LAYER_NAMES = {
+    **GGUF_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _HF_LAYER = {v: k for k, v in GGUF_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
@@ -44,6 +53,10 @@ class WeightsError(EnlaceError):
 
 def gguf_arch(cfg: ModelConfig) -> str:
     """llama.cpp's architecture for our config: QK-norm is Qwen3's, otherwise plain Llama."""
+    if cfg.sandwich_norm:
+        raise WeightsError(
+            f"model {cfg.name}: GGUF export of Gemma 3 is not implemented (its folder exports)"
+        )
     return "qwen3" if cfg.qk_norm else "llama"
 
 
@@ -100,11 +113,12 @@ def from_hf(
     return state
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     base, _, suffix = name.rpartition(".")  # suffix: "weight" (or "bias")
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if m and m.group(2) in GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{GGUF_LAYER_NAMES[m.group(2)]}.{suffix}"
+    layer_names = GEMMA3_LAYER_NAMES if arch == "gemma3" else GGUF_LAYER_NAMES
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if base in GGUF_GLOBAL_NAMES:
         return f"{GGUF_GLOBAL_NAMES[base]}.{suffix}"
     raise WeightsError(f"GGUF tensor {name!r} has no Llama counterpart")
@@ -135,7 +149,9 @@ def to_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch
 
 def from_gguf(arch: str, n_head: int, n_kv_head: int, name: str, w: torch.Tensor) -> tuple[str, torch.Tensor]:
     """One GGUF tensor (already reshaped to [out, in]) under its Hugging Face name and layout."""
-    hf = hf_name(name)
+    hf = hf_name(name, arch)
+    if arch == "gemma3" and hf.endswith("norm.weight"):
+        return hf, w - 1.0
     if arch == "llama" and hf.endswith("self_attn.q_proj.weight"):
         w = unpermute_qk(w, n_head)
     elif arch == "llama" and hf.endswith("self_attn.k_proj.weight"):
