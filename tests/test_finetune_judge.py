@@ -118,3 +118,40 @@ def test_the_projects_questions_are_new():
             seen.add(" ".join(fold(json.loads(line)["instruction"]).split()))
     assert [q.question for q in qs if " ".join(fold(q.question).split()) in seen] == []
     assert len({q.question for q in qs}) == len(qs)
+
+
+def test_gemma_chat_template_is_what_the_data_code_trains_on(tmp_path):
+    """LoRA data follow the base's own template (here Gemma's, as the importer writes it), not ChatML: the
+    labels are the model turn and its end marker, and the prompt the answers are generated from is the same
+    template's generation prompt."""
+    from helpers import write_tokenizer
+    from tokenizers import AddedToken, Tokenizer
+
+    from enlace.finetune.data import dolly_messages, encode_conversation
+    from enlace.hf.gguf_gemma import CHAT_TEMPLATE
+    from enlace.hf.tokenizer import HFTokenizer
+    from enlace.model import IGNORE_INDEX
+
+    write_tokenizer(tmp_path)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    tok.add_special_tokens(
+        [AddedToken(t, special=True) for t in ("<bos>", "<start_of_turn>", "<end_of_turn>")]
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {
+        "bos_token": "<bos>",
+        "eos_token": "<end_of_turn>",
+        "pad_token": "<end_of_turn>",
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    hf = HFTokenizer(tmp_path)
+    row = {"instruction": "¿Qué cenamos?", "context": "", "response": "Tortilla de patatas."}
+    ex = encode_conversation(hf, dolly_messages(row))
+    text = hf.decode(ex.input_ids)
+    assert text.startswith("<bos><start_of_turn>user\n¿Qué cenamos?<end_of_turn>\n<start_of_turn>model\n")
+    assert "<|im_start|>" not in text
+    labelled = [t for t in ex.labels if t != IGNORE_INDEX]
+    assert hf.decode(labelled) == "Tortilla de patatas.<end_of_turn>\n"
+    prompt = hf.decode(hf.apply_chat_template([{"role": "user", "content": "¿Qué cenamos?"}], True))
+    assert prompt == "<bos><start_of_turn>user\n¿Qué cenamos?<end_of_turn>\n<start_of_turn>model\n"

@@ -106,11 +106,12 @@ def prose_bpb(model: Any, tok: Any, text: str, context: int = CONTEXT) -> dict[s
 
 
 def choice_scores(
-    model: Any, tok: Any, items: list[tuple[str, list[str]]], batch: int = 16
+    model: Any, tok: Any, items: list[tuple[str, list[str]]], batch: int = 16, start: list[int] | None = None
 ) -> list[list[float]]:
     """Summed log-likelihood of each choice after its context (joined by a space), as lm-eval's
-    multiple_choice: the context's tokens end where the context alone ends."""
-    start = start_ids(tok)
+    multiple_choice: the context's tokens end where the context alone ends. `start`: the ids before each
+    context (default start_ids; [] to see what a model does without them)."""
+    start = start_ids(tok) if start is None else start
     seqs, spans = [], []
     for context, choices in items:
         ctx = tok(context, add_special_tokens=False)["input_ids"]
@@ -143,8 +144,10 @@ def read_items(assets: Path, limit: int | None) -> dict[str, list[tuple[str, lis
     return sets
 
 
-def accuracy(model: Any, tok: Any, items: list[tuple[str, list[str], int]]) -> float:
-    scores = choice_scores(model, tok, [(c, ch) for c, ch, _ in items])
+def accuracy(
+    model: Any, tok: Any, items: list[tuple[str, list[str], int]], start: list[int] | None = None
+) -> float:
+    scores = choice_scores(model, tok, [(c, ch) for c, ch, _ in items], start=start)
     right = [
         max(range(len(s)), key=s.__getitem__) == label for s, (_, _, label) in zip(scores, items, strict=True)
     ]
