@@ -155,3 +155,12 @@ def test_gemma_chat_template_is_what_the_data_code_trains_on(tmp_path):
     assert hf.decode(labelled) == "Tortilla de patatas.<end_of_turn>\n"
     prompt = hf.decode(hf.apply_chat_template([{"role": "user", "content": "¿Qué cenamos?"}], True))
     assert prompt == "<bos><start_of_turn>user\n¿Qué cenamos?<end_of_turn>\n<start_of_turn>model\n"
+
+
+def test_answer_drifting_into_other_scripts_is_not_spanish():
+    # What Gemma's base answered in the chat format: Spanish, then Japanese and Russian.
+    mixed = "¿Cómo hago para que el agua del río se desengrasa de mi pie? に通い Мне нужно есть еду с мясом, а это не мясо."
+    assert not judge(mixed, CLOUDS)["spanish"]
+    assert judge("El vapor de agua se enfría y forma gotas en el aire, como dice el símbolo ∑ o 𒄠.", CLOUDS)[
+        "spanish"
+    ]

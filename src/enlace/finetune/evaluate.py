@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections import Counter
 from pathlib import Path
 
@@ -71,7 +72,21 @@ def is_spanish(text: str) -> bool:
     words = [w.lower() for w in WORD.findall(text)]
     if sum(w in ES_WORDS for w in words) <= sum(w in EN_WORDS for w in words):
         return False
+    if foreign_script_share(text) > MAX_FOREIGN_SCRIPT:
+        return False
     return len(words) < LINGUA_MIN_WORDS or is_spanish_lingua(text)
+
+
+MAX_FOREIGN_SCRIPT = 0.05  # a stray symbol passes; a sentence in Cyrillic or Japanese does not
+
+
+def foreign_script_share(text: str) -> float:
+    """Share of letters outside the Latin script: lingua, asked among Latin-script languages, calls an
+    answer that drifts into Russian or Japanese halfway "Spanish" (Gemma's base did, in the chat format)."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return 0.0
+    return sum("LATIN" not in unicodedata.name(c, "") for c in letters) / len(letters)
 
 
 def answer_checks(answers: list[str]) -> dict:
