@@ -74,6 +74,12 @@ def test_choices_scored_after_their_context(tiny):
             lp = bb.token_logprobs(model, [start + full])[0]
             assert s == pytest.approx(float(lp[len(start) + len(ctx) - 1 :].sum()), abs=1e-4)
     assert bb.accuracy(model, tok, [("Había una vez", ["un niño.", "una tortilla."], 0)]) in (0.0, 1.0)
+    # No start ids (the diagnosis of a model fed raw text): other conditionals, scored the same way.
+    bare = bb.choice_scores(model, tok, items[:1], start=[])[0]
+    full = tok("Había una vez un niño.", add_special_tokens=False)["input_ids"]
+    ctx = len(tok("Había una vez", add_special_tokens=False)["input_ids"])
+    assert bare[0] == pytest.approx(float(bb.token_logprobs(model, [full])[0][ctx - 1 :].sum()), abs=1e-4)
+    assert bare != got[0]
 
 
 def test_bench_writes_a_table_and_names_what_is_missing(tiny, tmp_path):
