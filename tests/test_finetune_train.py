@@ -89,6 +89,13 @@ def test_changed_settings_or_more_steps_give_the_fresh_run(setup, tmp_path, caps
 
 
 def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
+    questions = write_jsonl(
+        tmp_path / "q.jsonl",
+        [
+            {"question": "¿Qué cenamos?", "keywords": ["tortilla", "patatas", "ensalada"], "topic": "cocina"},
+            {"question": "¿Y mañana?", "keywords": ["parque", "colegio"]},
+        ],
+    )
     cfg = cfg_for(
         setup,
         tmp_path / "run",
@@ -96,6 +103,7 @@ def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
         optimizer={"lr": 1e-2},
         dropout=0.0,
         targets=["q_proj", "v_proj", "o_proj", "up_proj"],
+        questions=str(questions),
     )
     finetune(cfg, HW, progress=False)
     r = finetune_eval(cfg, HW)
@@ -107,6 +115,14 @@ def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
     assert {"looping", "distinct_2", "spanish", "loss_reduction", "goals_met"} <= set(saved)
     assert set(saved["checks"]) == {"base", "finetuned"} and 0 <= saved["checks"]["base"]["looping"] <= 1
     assert saved["loss_reduction"] == pytest.approx(1 - r["loss_after"] / r["loss_before"], abs=1e-3)
+    # Unseen questions: an answer and a verdict per question, for both models, and the rates.
+    assert [q["question"] for q in saved["questions"]] == ["¿Qué cenamos?", "¿Y mañana?"]
+    for q in saved["questions"]:
+        for who in ("verdict", "base_verdict"):
+            assert {"spanish", "on_topic", "loops", "keywords_found", "ok"} == set(q[who])
+        assert isinstance(q["finetuned"], str) and isinstance(q["base"], str)
+    assert set(saved["judge"]) == {"base", "finetuned"} and saved["judge"]["finetuned"]["questions"] == 2
+    assert saved["new_questions_ok_rate"] == saved["judge"]["finetuned"]["ok_rate"]
 
 
 def test_cli_flags_map_onto_finetune_config():

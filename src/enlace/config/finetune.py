@@ -1,6 +1,6 @@
 """Finetune layer: LoRA on a Hugging Face base model with instruction data."""
 
-from pydantic import Field, StrictFloat, StrictInt, field_validator
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from ..choices import DecayShape, InstructFormat
 from .base import Strict
@@ -62,6 +62,10 @@ class FinetuneConfig(Strict):
         "Escribe un mensaje corto para felicitar a mi abuela por su cumpleaños.",
         "Dame tres consejos para que los niños se acuesten temprano.",
     ]
+    # Questions the instruction set never saw, with topic keywords: finetune-eval answers and judges each one
+    # (in Spanish, on topic, no loops; enlace.finetune.judge). null: none. judge_base: the base model too.
+    questions: str | None = "assets/instruct/es_preguntas_nuevas.jsonl"
+    judge_base: StrictBool = True
     # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its checks
     # measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
     generation: GenerationConfig = GenerationConfig(

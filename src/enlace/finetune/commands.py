@@ -105,6 +105,22 @@ def _finetune_eval(args: argparse.Namespace) -> int:
     r = finetune_eval(cfg.finetune, cfg.hardware, Path(args.adapter) if args.adapter else None)
     for a in r["answers"]:
         print(f"\n> {a['prompt']}\n[base] {a['base']}\n[finetuned] {a['finetuned']}")
+    for q in r.get("questions", []):
+        v = q["verdict"]
+        marks = ", ".join(
+            f"{name} {'yes' if v[key] else 'no'}"
+            for name, key in (("Spanish", "spanish"), ("on topic", "on_topic"))
+        )
+        print(f"\n? {q['question']}\n[finetuned] {q['finetuned']}")
+        print(
+            f"  -> {'OK' if v['ok'] else 'FAIL'}: {marks}, loops {'yes' if v['loops'] else 'no'}; "
+            f"keywords {v['keywords_found']}"
+        )
+    for who, j in r.get("judge", {}).items():
+        print(
+            f"unseen questions ({who}): {j['ok_rate']:.0%} good; Spanish {j['spanish_rate']:.0%}, "
+            f"on topic {j['on_topic_rate']:.0%}, looping {j['loops_rate']:.0%} of {j['questions']}"
+        )
     print(
         f"\nheld-out loss: {r['loss_before']:.4f} (base) -> {r['loss_after']:.4f} (adapter); written to {Path(cfg.finetune.out) / 'eval.json'}"
     )

@@ -1,10 +1,12 @@
-"""`enlace finetune-eval`: held-out assistant-only loss without and with the adapter, and sample answers
-with automatic checks (loops, distinct-2, language) on both."""
+"""`enlace finetune-eval`: held-out assistant-only loss without and with the adapter, sample answers with
+automatic checks (loops, distinct-2, language) on both, and answers to questions the instruction set never
+saw, each judged in Spanish, on topic and free of loops (enlace.finetune.judge)."""
 
 from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import torch
 
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
-from ..data.clean import EN_WORDS, ES_WORDS
+from ..data.clean import EN_WORDS, ES_WORDS, is_spanish_lingua
 from ..errors import EnlaceError
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
@@ -20,6 +22,7 @@ from ..io import atomic_write_json
 from ..lora import load_adapter, set_merged
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
+from .judge import judge, rates, read_questions
 from .loss import assistant_loss_sum
 
 # Goals from the finetune issue: no looping answer, held-out loss at least 20% below the base model's.
@@ -59,10 +62,31 @@ def distinct_2(texts: list[str]) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
+LINGUA_MIN_WORDS = 8  # below this lingua guesses ("¿Por qué? ¿Por qué? ¿Por qué?" came out French)
+
+
 def is_spanish(text: str) -> bool:
-    """More Spanish than English function words: the corpus cleaner's vote, over a whole answer."""
+    """More Spanish than English function words (the corpus cleaner's vote, over a whole answer), and, from
+    LINGUA_MIN_WORDS words on, Spanish for lingua among the languages it is confused with: the vote alone
+    takes Portuguese or Italian for Spanish, since they share "de", "a", "que"."""
     words = [w.lower() for w in WORD.findall(text)]
-    return sum(w in ES_WORDS for w in words) > sum(w in EN_WORDS for w in words)
+    if sum(w in ES_WORDS for w in words) <= sum(w in EN_WORDS for w in words):
+        return False
+    if foreign_script_share(text) > MAX_FOREIGN_SCRIPT:
+        return False
+    return len(words) < LINGUA_MIN_WORDS or is_spanish_lingua(text)
+
+
+MAX_FOREIGN_SCRIPT = 0.05  # a stray symbol passes; a sentence in Cyrillic or Japanese does not
+
+
+def foreign_script_share(text: str) -> float:
+    """Share of letters outside the Latin script: lingua, asked among Latin-script languages, calls an
+    answer that drifts into Russian or Japanese halfway "Spanish" (Gemma's base did, in the chat format)."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters:
+        return 0.0
+    return sum("LATIN" not in unicodedata.name(c, "") for c in letters) / len(letters)
 
 
 def answer_checks(answers: list[str]) -> dict:
@@ -111,22 +135,49 @@ def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> str:
     return tok.decode(ids, skip_special_tokens=True).strip()
 
 
+def answer_questions(model, tok: HFTokenizer, questions: list, cfg: FinetuneConfig) -> list[tuple[str, dict]]:
+    """Each held-out question's answer and its verdict."""
+    out = []
+    for q in questions:
+        a = answer(model, tok, q.question, cfg)
+        out.append((a, judge(a, q)))
+    return out
+
+
 def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None = None) -> dict:
     setup_runtime(hw)
     adapter = Path(adapter or Path(cfg.out) / "adapter")
     if not (adapter / "adapter_config.json").exists():
         raise EnlaceError(f"{adapter}: no adapter; run `enlace finetune` first")
+    questions = read_questions(Path(cfg.questions)) if cfg.questions else []  # a bad file fails first
     tok = HFTokenizer(Path(cfg.base_model))
     model = load_hf_folder(Path(cfg.base_model))
     val = load_dataset(tok, Path(cfg.val_data), cfg.format, cfg.max_len, None, cfg.system_prompt)
     before = heldout_loss(model, val, tok.pad_id)
     answers_before = [answer(model, tok, p, cfg) for p in cfg.eval_prompts]
+    judged_before = answer_questions(model, tok, questions, cfg) if cfg.judge_base else []
     load_adapter(model, adapter, cfg.base_model)
     after = heldout_loss(model, val, tok.pad_id)
     set_merged(model, True)  # same outputs, one matmul per projection while generating
     answers_after = [answer(model, tok, p, cfg) for p in cfg.eval_prompts]
+    judged_after = answer_questions(model, tok, questions, cfg)
     reduction = (before - after) / before if before > 0 else 0.0
     checks = {"base": answer_checks(answers_before), "finetuned": answer_checks(answers_after)}
+    judged = {"finetuned": rates([v for _, v in judged_after])}
+    if cfg.judge_base:
+        judged["base"] = rates([v for _, v in judged_before])
+    verdicts = []
+    for i, (q, (a, v)) in enumerate(zip(questions, judged_after, strict=True)):
+        row = {
+            "question": q.question,
+            "topic": q.topic,
+            "keywords": list(q.keywords),
+            "finetuned": a,
+            "verdict": v,
+        }
+        if cfg.judge_base:
+            row.update(base=judged_before[i][0], base_verdict=judged_before[i][1])
+        verdicts.append(row)
     result = {
         "base_model": cfg.base_model,
         "adapter": str(adapter),
@@ -150,5 +201,9 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
             for p, a, b in zip(cfg.eval_prompts, answers_before, answers_after, strict=True)
         ],
     }
+    if questions:
+        # The judge's rates on unseen questions, flat for `dvc metrics show`, then per question.
+        result.update({f"new_questions_{k}": v for k, v in judged["finetuned"].items()})
+        result.update({"questions_file": cfg.questions, "judge": judged, "questions": verdicts})
     atomic_write_json(Path(cfg.out) / "eval.json", result)
     return result

@@ -51,6 +51,8 @@ CADENCE_KEYS = (
     "finetune.checkpoint",
     "finetune.max_nonfinite_in_row",
     "finetune.eval_prompts",
+    "finetune.questions",
+    "finetune.judge_base",
     "finetune.generation",
 )
 # The model's own forward is part of every step: a change there (attention, say) must not resume old adapters.
