@@ -166,6 +166,8 @@ def test_ablate_end_to_end_on_a_tiny_model(capsys):
         "model.d_model=32", "model.n_layer=2", "model.seq_len=32", "model.ffn_multiple_of=16",
         "hardware.num_threads=1", "hardware.compile=false", "train.micro_batch_size=4",
         "train.grad_accum_steps=1", "train.global_batch_size=4", "train.eval_batches=2",
+        # The steps are fitted to the clock: on a quiet machine they outrun the tiny corpus's data budget.
+        "data.max_epochs=1000",
     ]  # fmt: skip
     spec = {
         "name": "tiny",

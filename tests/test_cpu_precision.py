@@ -255,7 +255,7 @@ def test_default_pipeline_trains_in_the_resolved_precision(
     assert main(args) == 0
     run = tmp_path / "out/p"
     # Printed when the run starts, recorded in metrics.json, the config and the run identity.
-    line = next(x for x in capsys.readouterr().err.splitlines() if x.startswith("hardware: cpu-auto on "))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("hardware: cpu-auto on "))
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["precision"] == precision and metrics["hardware"] == line
     assert metrics["compiled"] is False  # --set wins over the kind's compile

@@ -201,7 +201,7 @@ def test_killed_fetch_resumes_per_file_and_ends_identical(tmp_path, capfd):
     data = data_config([{"name": "gen", "kind": "local", "path": str(src)}])
     straight = build_corpus(data, "h", tmp_path / "raw0", tmp_path / "c0", None, workers=1)
     head = textwrap.dedent(
-        KILL_AFTER.format(src=str(ROOT / "src"), module="steps", cls="ExtractClean", after=5)
+        KILL_AFTER.format(src=str(ROOT / "src"), module="pipeline_steps", cls="ExtractClean", after=5)
     )
     call = (
         "from enlace.config.data import DataConfig\nfrom enlace.data.corpus import build_corpus\n"

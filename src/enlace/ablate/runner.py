@@ -27,7 +27,7 @@ from ..errors import EnlaceError
 from ..estimate import train_flops_per_token
 from ..eval.evaluate import read_prose, score_model_dir
 from ..peak import PEAK_DTYPES, matmul_peak_gflops, peak_update
-from ..runtime import CPUINFO, setup_runtime
+from ..runtime import CPUINFO, resolve_run, setup_runtime
 from ..train.checkpoint import latest_checkpoint
 from ..train.metrics import read_jsonl
 from .fit import Calibration, calibration_overrides, fitted_steps, schedule_overrides, step_seconds
@@ -183,7 +183,8 @@ def log_line(text: str) -> None:
 def run_ablation(
     spec: AblationSpec, sel: Selection, root: Path, command: str, log=log_line
 ) -> dict[str, Any]:
-    base_cfg = sel.config(spec, spec.variants[BASELINE])
+    # Resolved as each run resolves it: cpu-auto's dtype (and the CPU kind's recipe) on this machine.
+    base_cfg = resolve_run(sel.config(spec, spec.variants[BASELINE])).cfg
     device = setup_runtime(base_cfg.hardware)
     prose = read_prose(Path(base_cfg.eval.prose))
     dtype = base_cfg.hardware.dtype

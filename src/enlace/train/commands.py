@@ -9,15 +9,15 @@ from .. import paths
 
 
 def _run(args: argparse.Namespace, stage: str) -> int:
-    import sys
 
     from ..cli import load_cfg
     from ..runtime import resolve_run
     from . import stages
 
-    # The hardware is resolved once, here: dtype, compile and the CPU kind's recipe (docs/cpu-kinds.md).
+    # The hardware is resolved once, here: dtype, compile and the CPU kind's recipe (docs/cpu-kinds.md). The
+    # line is status, on stdout as `enlace finetune` prints it: stderr carries errors alone, one line each.
     resolved = resolve_run(load_cfg(args, stage="smoke" if stage == "smoke" else None))
-    print(resolved.line(), file=sys.stderr, flush=True)
+    print(resolved.line(), flush=True)
     cfg = resolved.cfg
     run_dir = Path(args.run_dir) if args.run_dir else paths.RUNS / stage
     fn = stages.smoke if stage == "smoke" else stages.pretrain
