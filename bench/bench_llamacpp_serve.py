@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_serve import cpu_model, free_port
-from bench.common import format_row, goal_row, write_result
+from bench.common import format_row, goal_row, wait_until_serving, write_result
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.hf.tokenizer import HFTokenizer
@@ -66,23 +66,14 @@ class Server:
     """A server child process, ready when /v1/models answers; `extra` is merged into every request body."""
 
     def __init__(self, cmd: list[str], port: int, extra: dict, env: dict | None = None):
-        self.port, self.extra = port, extra
+        self.port, self.extra, self.cmd = port, extra, cmd
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                self.log.seek(0)
-                raise SystemExit(f"{cmd[:4]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/v1/models")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.5)
+        wait_until_serving(self.proc, port, "/v1/models", 600, self._died)
+
+    def _died(self) -> str:
+        self.log.seek(0)
+        return f"{self.cmd[:4]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}"
 
     def stream(self, prompt: str, n: int) -> list[float]:
         """Arrival times (perf_counter) of the streamed chunks that carry text, request sent at [0]."""

@@ -19,12 +19,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import alternate, format_row, goal_row, machine, write_result
+from bench.common import alternate, format_row, goal_row, machine, wait_until_serving, write_result
 from enlace.generate import resolve_decode_weights
 from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.hf.tokenizer import HFTokenizer
@@ -59,21 +58,10 @@ class ServedModel:
         cmd = [sys.executable, "-m", "enlace.cli", "serve", "--model", str(folder), "--weights", weights,
                "--port", str(self.port), "--max-tokens", str(NEW)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(
-                    f"enlace serve exited with {self.proc.returncode}: {self.proc.stderr.read()}"
-                )
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        wait_until_serving(
+            self.proc, self.port, "/health", 300,
+            lambda: f"enlace serve exited with {self.proc.returncode}: {self.proc.stderr.read()}",
+        )  # fmt: skip
         self.timings: list[dict] = []
 
     def stream(self, n: int) -> int:

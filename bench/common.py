@@ -6,9 +6,12 @@ in alternating order, so that a noisy neighbour or thermal drift hits both sides
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import statistics
+import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,25 @@ def alternate(
         for name in order:
             times[name].append(timed(contenders[name]))
     return times
+
+
+def wait_until_serving(
+    proc: subprocess.Popen, port: int, path: str, timeout_s: float, died: Callable[[], str]
+) -> None:
+    """Poll GET path on 127.0.0.1:port until it answers 200; died() says why when the server process exits."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(died())
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", path)
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
