@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from export_helpers import TINY, chat_rows, make_project, write_jsonl, write_tie_model
+from export_helpers import ROOT, TINY, chat_rows, make_project, write_jsonl, write_tie_model
 
 from enlace.cli import main
 from enlace.config.model import ModelConfig
@@ -419,3 +419,19 @@ def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
     merged = read_state(out)
     state = read_state(back)
     assert all(torch.equal(state[k], v.half().float() if v.dim() > 1 else v) for k, v in merged.items())
+
+
+def test_ablation_scores_the_choices_as_bench_es_does(in_project):
+    """The ablation table's minimal-pair and continuation columns are `make bench-es`'s scores of the run's
+    export; the scratch export is removed again."""
+    from enlace.ablate.runner import choices
+    from enlace.config import load_config
+    from enlace.eval.bench_bases import Entry, bench_one
+
+    (in_project / "assets").mkdir(exist_ok=True)
+    (in_project / "assets" / "bench_es").symlink_to(ROOT / "assets" / "bench_es")
+    got = choices(Path("runs/pretrain"), load_config("params.yaml"))
+    assert not Path("runs/pretrain/hf").exists()
+    row = bench_one(Entry("run", Path("runs/export/hf")), "Hola.", Path("assets/bench_es"), None, 64)
+    assert got == {"pairs_acc": row["pairs_acc"], "continuations_acc": row["continuations_acc"]}
+    assert 0 < got["pairs_acc"] < 1 and 0 < got["continuations_acc"] < 1

@@ -3,7 +3,8 @@
 Each run is `enlace pretrain` of the variant's config in a fresh process (worker.py), with max_steps and
 the schedule fitted to the budget (fit.py). A run still going at its budget gets SIGTERM, which the
 trainer answers by saving a checkpoint; the row then says so (its decay did not finish). Scoring is the
-eval stage's own: validation and the prose yardstick by `score_model_dir`, as `enlace eval --model-dir`.
+eval stage's own: validation and the prose yardstick by `score_model_dir`, as `enlace eval --model-dir`;
+the minimal pairs and continuations as `make bench-es` scores them (bench_bases, on the exported run).
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from typing import Any
 
 import torch
 
+from .. import paths
 from ..config import Config, load_config
 from ..errors import EnlaceError
 from ..estimate import train_flops_per_token
+from ..eval.bench_bases import Entry, choice_metrics, load
+from ..eval.bench_es import go_offline
 from ..eval.evaluate import read_prose, score_model_dir
+from ..export import export_run
 from ..peak import PEAK_DTYPES, matmul_peak_gflops, peak_update
 from ..runtime import CPUINFO, resolve_run, setup_runtime
 from ..train.checkpoint import latest_checkpoint
@@ -117,8 +122,24 @@ def calibrate(sel: Selection, spec: AblationSpec, variant: str, root: Path) -> C
     return cal
 
 
+def choices(run_dir: Path, cfg: Config) -> dict[str, Any]:
+    """Minimal-pair and continuation accuracy (assets/bench_es) of the run's last checkpoint, scored as
+    `make bench-es` scores every base: exported to a Hugging Face folder, loaded by transformers in fp32.
+    A byte-level run (the smoke stage) has no token to start a text with: its columns stay empty."""
+    if cfg.train.loader == "bytes":
+        return {"pairs_acc": None, "continuations_acc": None}
+    go_offline()
+    folder = run_dir / "hf"
+    export_run(run_dir, folder)
+    model, tok = load(Entry(run_dir.name, folder))
+    m = choice_metrics(model, tok, paths.BENCH_ES)
+    shutil.rmtree(folder)  # the checkpoint stays; the folder is one command away
+    return {"pairs_acc": m["pairs_acc"], "continuations_acc": m["continuations_acc"]}
+
+
 def score(run_dir: Path, cfg: Config, prose: str, device: torch.device) -> dict[str, Any]:
-    """val_* and prose_* as `enlace eval --model-dir` computes them, plus what the run spent."""
+    """val_* and prose_* as `enlace eval --model-dir` computes them, the choice accuracies as `make
+    bench-es` computes them, plus what the run spent."""
     m = score_model_dir(run_dir, cfg, device, prose)
     _, _, meta = latest_checkpoint(run_dir / "checkpoints")
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
@@ -129,6 +150,7 @@ def score(run_dir: Path, cfg: Config, prose: str, device: torch.device) -> dict[
         "skipped": meta["counters"]["skipped"],
         "val_bpb": m["val_bpb"],
         "prose_bpb": m["prose_bpb"],
+        **choices(run_dir, cfg),
         "tokens_per_s": round(statistics.median(speeds), 1) if speeds else None,
     }
 

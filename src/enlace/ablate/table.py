@@ -17,7 +17,7 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         by.setdefault(r["variant"], []).append(r)
 
     def mean(runs: list[dict[str, Any]], key: str) -> float | None:
-        values = [r[key] for r in runs if r[key] is not None]
+        values = [r[key] for r in runs if r.get(key) is not None]
         return statistics.fmean(values) if values else None
 
     base = {k: mean(by[BASELINE], k) for k in ("prose_bpb", "val_bpb")}
@@ -30,6 +30,8 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             "tokens": round(mean(runs, "tokens")),
             "prose_bpb": mean(runs, "prose_bpb"),
             "val_bpb": mean(runs, "val_bpb"),
+            "pairs_acc": mean(runs, "pairs_acc"),
+            "continuations_acc": mean(runs, "continuations_acc"),
             "mfu": mean(runs, "mfu"),
             "stopped_at_budget": any(r["stopped_at_budget"] for r in runs),
         }
@@ -43,6 +45,10 @@ def _pct(v: float | None) -> str:
     return "" if v is None else f"{v:+.2%}"
 
 
+def _acc(v: float | None) -> str:
+    return "" if v is None else f"{v:.3f}"
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -50,8 +56,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{m['cpu']} ({m['isa']}, {m['dtype']}, threads: {m['threads']}, torch {m['torch']}; load average "
         f"{m['load_average_1min']} at the start, {m['load_average_1min_end']} at the end).",
         "",
-        "| variant | seeds | steps | tokens | prose bits/byte | change | val bits/byte | change | MFU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| variant | seeds | steps | tokens | prose bits/byte | change | val bits/byte | change "
+        "| minimal pairs | continuations | MFU |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows(result):
         mfu = "" if r["mfu"] is None else f"{r['mfu']:.1%}"
@@ -59,7 +66,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['variant']}{note} | {', '.join(map(str, r['seeds']))} | {r['steps']} | {r['tokens']:,} | "
             f"{r['prose_bpb']:.4f} | {_pct(r['prose_bpb_change'])} | {r['val_bpb']:.4f} | "
-            f"{_pct(r['val_bpb_change'])} | {mfu} |"
+            f"{_pct(r['val_bpb_change'])} | {_acc(r['pairs_acc'])} | {_acc(r['continuations_acc'])} | {mfu} |"
         )
     return "\n".join(lines) + "\n"
 

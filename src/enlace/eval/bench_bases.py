@@ -154,12 +154,23 @@ def accuracy(
     return sum(right) / len(items)
 
 
-def bench_one(entry: Entry, prose: str, assets: Path, limit: int | None, context: int) -> dict[str, Any]:
-    model, tok = load(entry)
+def choice_metrics(model: Any, tok: Any, assets: Path, limit: int | None = None) -> dict[str, Any]:
+    """Accuracy on the minimal pairs (overall and per phenomenon) and on the continuations."""
     sets = read_items(assets, limit)
     pairs = {name.removeprefix("pares_"): accuracy(model, tok, sets[name]) for name in PAIR_FILES}
     n_pairs = {name.removeprefix("pares_"): len(sets[name]) for name in PAIR_FILES}
     total = sum(n_pairs.values())
+    return {
+        "pairs_acc": round(sum(pairs[k] * n_pairs[k] for k in pairs) / total, 4),
+        "pairs_n": total,
+        "pairs_by_phenomenon": {k: round(v, 4) for k, v in pairs.items()},
+        "continuations_acc": round(accuracy(model, tok, sets["continuaciones"]), 4),
+        "continuations_n": len(sets["continuaciones"]),
+    }
+
+
+def bench_one(entry: Entry, prose: str, assets: Path, limit: int | None, context: int) -> dict[str, Any]:
+    model, tok = load(entry)
     row = {
         "name": entry.name,
         "folder": str(entry.folder),
@@ -167,11 +178,7 @@ def bench_one(entry: Entry, prose: str, assets: Path, limit: int | None, context
         "parameters": sum(p.numel() for p in model.parameters()),
         "start_tokens": tok.convert_ids_to_tokens(start_ids(tok)),
         "prose": prose_bpb(model, tok, prose, context),
-        "pairs_acc": round(sum(pairs[k] * n_pairs[k] for k in pairs) / total, 4),
-        "pairs_n": total,
-        "pairs_by_phenomenon": {k: round(v, 4) for k, v in pairs.items()},
-        "continuations_acc": round(accuracy(model, tok, sets["continuaciones"]), 4),
-        "continuations_n": len(sets["continuaciones"]),
+        **choice_metrics(model, tok, assets, limit),
     }
     del model
     return row
