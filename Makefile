@@ -87,7 +87,7 @@ gpu-check: $(STAMP)
 
 # Variants of the default run at equal wall time, tabled into docs/ablations.md (run it on a quiet machine):
 # the data stages first, then `make ablate` or `make ablate ABLATION=configs/ablations/NAME.yaml`.
-ABLATION ?= configs/ablations/muon.yaml
+ABLATION ?= configs/ablations/recipe.yaml
 .PHONY: ablate
 ablate: $(STAMP) system-deps
 	$(BIN)/dvc repro shard
