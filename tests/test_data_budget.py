@@ -27,14 +27,14 @@ def _shards(folder: Path, train_tokens: int) -> dict[str, Path]:
 
 
 def test_epochs_from_the_shards_and_the_error_names_both_numbers_and_the_keys(tmp_path):
-    # cpu-small plans 2800 steps x 8 x 256 = 5,734,400 tokens.
+    # cpu-small plans 1290 steps x 16 x 256 = 5,283,840 tokens.
     cfg = _cfg()
     ok = check_budget(cfg, require_data=True, **_shards(tmp_path / "a", 2_000_000))
-    assert ok.planned == 5_734_400 and ok.exact and ok.epochs == pytest.approx(2.8672)
+    assert ok.planned == 5_283_840 and ok.exact and ok.epochs == pytest.approx(2.64192)
     with pytest.raises(DataError) as e:
         check_budget(cfg, require_data=True, **_shards(tmp_path / "b", 400_000))
     msg = str(e.value)
-    assert "5,734,400 tokens" in msg and "400,000 training tokens" in msg and "14.3 epochs" in msg
+    assert "5,283,840 tokens" in msg and "400,000 training tokens" in msg and "13.2 epochs" in msg
     for key in ("train.max_steps", "train.global_batch_size", "model.seq_len", "data.max_epochs"):
         assert key in msg
     # The limit is a setting.
