@@ -20,13 +20,22 @@ from enlace.data.corpus import build_corpus
 from enlace.data.loaders import ByteLoader, ShardLoader
 from enlace.data.shard import build_shards
 from enlace.data.tokenize import build_tokenizer
-from enlace.eval.evaluate import run_eval, score_model_dir
+from enlace.errors import EnlaceError
+from enlace.eval.evaluate import (
+    Yardsticks,
+    load_scorer,
+    prose_metrics,
+    read_yardsticks,
+    run_eval,
+    score_model_dir,
+)
 from enlace.model import IGNORE_INDEX, Llama
 from enlace.scoring.score import evaluate, sliding_windows, spread_starts
 from enlace.scoring.token_bytes import TokenBytes
 from enlace.train.trainer import train
 
 PROSE = "Él vio 🙂 a su abuela.\nLa niña comió pan con aceite, ¿verdad? Sí, y después durmió la siesta."
+PROSE_NEW = "—¿Vienes al concierto del viernes?\n—Sí, pero llegaré tarde: salgo a las siete y media.\n" * 3
 
 
 def uniform_model(vocab: int, seq_len: int = 64) -> Llama:
@@ -154,11 +163,13 @@ def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkey
     text = synthetic_text(40_000).decode("utf-8", errors="ignore")
     docs = [text[i : i + 800] for i in range(0, len(text), 800)]
     write_corpus(tmp_path / "data" / "corpus", {"train": docs[:-8], "val": docs[-8:]})
-    prose = tmp_path / "prose.txt"
+    prose, prose_new = tmp_path / "prose.txt", tmp_path / "prose-new.txt"
     prose.write_text(PROSE * 4, encoding="utf-8")
+    prose_new.write_text(PROSE_NEW, encoding="utf-8")
     monkeypatch.chdir(tmp_path)
     cfg = tiny_config({"train.max_steps": 4, "train.eval_batches": 3, "train.checkpoint.every": 4})
-    cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": str(prose), "prompts": ["La"]}))
+    texts = {"prose": str(prose), "prose_new": str(prose_new), "prompts": ["La"]}
+    cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update=texts))
     result = train(cfg, tmp_path / "runs" / "smoke", progress=False)  # also the eval stage's reference
     m = run_eval(cfg, tmp_path / "runs" / "smoke", tmp_path / "runs" / "eval")["metrics"]
     # Same weights, same windows, same function: the value the trainer logged at its end.
@@ -166,12 +177,46 @@ def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkey
     assert m["val_tokens"] == m["val_bytes"] == 3 * 4 * 32  # eval_batches x micro_batch_size windows
     assert m["prose_bytes"] == len((PROSE * 4).encode("utf-8")) and m["prose_context"] == 32
     assert m["smoke_val_bpb"] == m["val_bpb"] and m["smoke_prose_bpb"] == m["prose_bpb"]
+    # The second text: scored as its own document, as if it were the only one, and kept for the references.
+    assert m["prose_new_bytes"] == len(PROSE_NEW.encode("utf-8")) and m["prose_new_file"] == str(prose_new)
+    alone = score_model_dir(tmp_path / "runs" / "smoke", cfg, torch.device("cpu"), PROSE_NEW)
+    assert m["prose_new_bpb"] == alone["prose_bpb"] and m["prose_new_tokens"] == alone["prose_tokens"]
+    assert m["smoke_prose_new_bpb"] == m["prose_new_bpb"] and m["smoke_prose_all_bpb"] == m["prose_all_bpb"]
+    # Both texts together: total bits over total bytes, not the mean of the two figures.
+    scorer = load_scorer(tmp_path / "runs" / "smoke", cfg.hardware, torch.device("cpu"))
+    one = prose_metrics(scorer, PROSE * 4, cfg.hardware, cfg.eval.prose_context)
+    two = prose_metrics(scorer, PROSE_NEW, cfg.hardware, cfg.eval.prose_context, prefix="prose_new")
+    assert one["prose_bits"] == pytest.approx(one["prose_loss"] * one["prose_tokens"] / math.log(2), rel=1e-6)
+    n_bytes = one["prose_bytes"] + two["prose_new_bytes"]
+    assert m["prose_all_bytes"] == n_bytes
+    assert m["prose_all_bpb"] == round((one["prose_bits"] + two["prose_new_bits"]) / n_bytes, 6)
+    assert abs(m["prose_bpb"] - m["prose_new_bpb"]) > 0.01  # so a plain mean would land elsewhere
+    assert abs(m["prose_all_bpb"] - (m["prose_bpb"] + m["prose_new_bpb"]) / 2) > 1e-4
     again = score_model_dir(tmp_path / "runs" / "smoke", cfg, torch.device("cpu"), PROSE * 4)
     assert again["prose_bpb"] == m["prose_bpb"] and again["val_bpb"] == m["val_bpb"]
-    assert (
-        json.loads((tmp_path / "runs" / "eval" / "metrics.json").read_text())["prose_bpb"] == m["prose_bpb"]
-    )
+    assert not {k for k in again if k.startswith(("prose_new", "prose_all"))}  # one text: no second figure
+    written = json.loads((tmp_path / "runs" / "eval" / "metrics.json").read_text())
+    assert written["prose_bpb"] == m["prose_bpb"] and written["prose_all_bpb"] == m["prose_all_bpb"]
+    assert not [k for k in written if k.endswith("_bits")]  # the unrounded sums stay internal
     capsys.readouterr()
     assert main(["report"]) == 0  # the table `make run` ends with
     report = capsys.readouterr().out
     assert f"{m['val_bpb']:.4f}" in report and f"{m['prose_bpb']:.4f}" in report and "smoke" in report
+    assert f"{m['prose_new_bpb']:.4f}" in report and f"{m['prose_all_bpb']:.4f}" in report
+    assert f"new: {prose_new} ({m['prose_new_bytes']} bytes)" in report
+
+
+def test_missing_second_prose_text_is_named(tmp_path):
+    cfg = tiny_config({})
+    prose = tmp_path / "prose.txt"
+    prose.write_text(PROSE, encoding="utf-8")
+    missing = tmp_path / "nope.txt"
+    cfg = dataclasses.replace(
+        cfg, eval=cfg.eval.model_copy(update={"prose": str(prose), "prose_new": str(missing)})
+    )
+    with pytest.raises(
+        EnlaceError, match=r"nope.txt: prose text not found \(eval.prose_new in params.yaml\)"
+    ):
+        read_yardsticks(cfg)
+    off = read_yardsticks(dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose_new": None})))
+    assert off == Yardsticks(PROSE, None)

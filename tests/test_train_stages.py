@@ -13,6 +13,7 @@ from enlace.train.checkpoint import list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 PROSE = "Mañana iremos al mercado con la abuela; después comeremos todos juntos en el patio.\n" * 3
+PROSE_NEW = "El erizo se enroscó bajo las hojas secas y durmió tranquilo hasta la primavera.\n" * 2
 TINY = [
     "--set", "model.d_model=32", "--set", "model.n_layer=2", "--set", "model.seq_len=32",
     "--set", "model.ffn_multiple_of=16", "--set", "hardware.num_threads=1",
@@ -36,6 +37,7 @@ def project(tmp_path, monkeypatch):
     prose = tmp_path / "assets" / "eval" / "prosa-es.txt"  # the prose yardstick eval.prose names
     prose.parent.mkdir(parents=True)
     prose.write_text(PROSE, encoding="utf-8")
+    (prose.parent / "prosa-es-nueva.txt").write_text(PROSE_NEW, encoding="utf-8")  # eval.prose_new
     monkeypatch.chdir(tmp_path)
     return tmp_path
 
@@ -93,6 +95,11 @@ def test_eval_and_generate_on_the_trained_run(project, capsys):
     assert m["step"] == 40 and abs(m["val_bpb"] - m["val_loss"] / 0.6931471805599453) < 1e-4
     assert m["generate_tokens_per_s"] > 0 and f"bits/byte {m['val_bpb']:.4f}" in out
     assert m["prose_bytes"] == len(PROSE.encode("utf-8")) and f"{m['prose_bpb']:.4f}" in out
+    assert m["prose_new_bytes"] == len(PROSE_NEW.encode("utf-8")) and f"{m['prose_new_bpb']:.4f}" in out
+    assert (
+        m["prose_all_bytes"] == len((PROSE + PROSE_NEW).encode("utf-8"))
+        and f"{m['prose_all_bpb']:.4f}" in out
+    )
     samples = (project / "out/eval/samples.md").read_text()
     # Every prompt of params.yaml, its continuation, and the checkpoint that wrote it.
     prompts = yaml.safe_load((project / "params.yaml").read_text())["eval"]["prompts"]

@@ -19,6 +19,9 @@ class EvalConfig(Strict):
     batches: StrictInt = Field(default=16, gt=0)
     # The prose yardstick: everyday Spanish never used in training, scored in full by every model.
     prose: str = "assets/eval/prosa-es.txt"
+    # A second such text, written later and scored apart (prose_new_*) so that every prose_* figure stays
+    # comparable; prose_all_* is the two together, total bits over total bytes. null: score prose only.
+    prose_new: str | None = "assets/eval/prosa-es-nueva.txt"
     prose_context: StrictInt = Field(default=1024, gt=1)  # window cap in tokens (SmolLM2 could take 8192)
     prompts: list[str] = ["La ciudad de", "Había una vez", "El sol sale por"]
     generation: GenerationConfig = GenerationConfig()

@@ -15,17 +15,20 @@ from ..errors import EnlaceError
 def _eval(args: argparse.Namespace) -> int:
     from ..cli import load_cfg
     from ..runtime import resolve_run
-    from .evaluate import read_prose, run_eval, score_model_dir
+    from .evaluate import read_yardsticks, run_eval, score_model_dir
 
     cfg = resolve_run(load_cfg(args)).cfg  # as the run it scores was resolved on this CPU
-    if args.prose:
-        cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update={"prose": args.prose}))
+    texts = {k: v for k, v in (("prose", args.prose), ("prose_new", args.prose_new)) if v is not None}
+    if texts:
+        # --prose-new '' turns the second text off, as prose_new: null in params.yaml does.
+        texts = {k: v or None for k, v in texts.items()}
+        cfg = dataclasses.replace(cfg, eval=cfg.eval.model_copy(update=texts))
     if args.model_dir:
         # One model folder, ours or Hugging Face's: print its figures, write nothing.
         from ..runtime import setup_runtime
 
         device = setup_runtime(cfg.hardware)
-        m = score_model_dir(Path(args.model_dir), cfg, device, read_prose(Path(cfg.eval.prose)))
+        m = score_model_dir(Path(args.model_dir), cfg, device, read_yardsticks(cfg))
         print(json.dumps(m, indent=2, sort_keys=True))
         return 0
     from ..io import require_folder
@@ -40,18 +43,31 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+# The bits-per-byte columns of `bpb_table`: heading and the key after "{model}_" (the run has none).
+BPB_COLUMNS = (
+    ("val", "val_bpb"),
+    ("prose", "prose_bpb"),
+    ("new", "prose_new_bpb"),
+    ("both", "prose_all_bpb"),
+)
+
+
 def bpb_table(m: dict) -> str:
-    """Bits per byte of the run and the reference models, on val and on the prose yardstick."""
-    rows = [("this run", m.get("val_bpb"), m.get("prose_bpb"))]
-    rows += [(name, m.get(f"{name}_val_bpb"), m.get(f"{name}_prose_bpb")) for name in ("smoke", "smollm2")]
-    lines = [
-        f"bits per byte      val      prose ({m.get('prose_file', 'eval.prose')}, {m.get('prose_bytes')} bytes)"
-    ]
-    for name, val, prose in rows:
-        if val is None and prose is None:
+    """Bits per byte of the run and the reference models, on val and on the prose yardsticks."""
+    columns = [(head, key) for head, key in BPB_COLUMNS if key in m or head in ("val", "prose")]
+    rows = [("this run", [m.get(key) for _, key in columns])]
+    rows += [(name, [m.get(f"{name}_{key}") for _, key in columns]) for name in ("smoke", "smollm2")]
+    lines = ["bits per byte   " + "".join(f"{head:>9}" for head, _ in columns)]
+    fmt = lambda v: f"{v:.4f}" if v is not None else "   -  "  # noqa: E731
+    for name, values in rows:
+        if all(v is None for v in values):
             continue
-        fmt = lambda v: f"{v:.4f}" if v is not None else "   -  "  # noqa: E731
-        lines.append(f"  {name:<14} {fmt(val):>8} {fmt(prose):>8}")
+        lines.append(f"  {name:<14}" + "".join(f" {fmt(v):>8}" for v in values))
+    files = [f"prose: {m.get('prose_file', 'eval.prose')} ({m.get('prose_bytes')} bytes)"]
+    if "prose_new_bpb" in m:
+        files.append(f"new: {m.get('prose_new_file', 'eval.prose_new')} ({m.get('prose_new_bytes')} bytes)")
+        files.append("both: the two texts' bits over their bytes")
+    lines.append("  " + "; ".join(files))
     return "\n".join(lines)
 
 
@@ -182,6 +198,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "bits per byte, printed, nothing written",
     )
     p.add_argument("--prose", default=None, help="the prose text to score (default: eval.prose)")
+    p.add_argument(
+        "--prose-new",
+        default=None,
+        help="the second prose text, scored apart and with --prose (default: eval.prose_new; '' for none)",
+    )
     p.set_defaults(handler=_eval)
 
     p = sub.add_parser("generate", help="continue a prompt with a trained or imported model")

@@ -4,6 +4,8 @@ Bits per byte divides the cross-entropy (in bits) of the scored tokens by the ex
 stand for, so a byte-level model and a sentencepiece or BPE model of any vocabulary land on the same
 scale. The prose yardstick (eval.prose, everyday Spanish never used in training) is one text every model
 scores in full: the run, the byte-level smoke model and SmolLM2-135M-Instruct (on its own tokenizer).
+A second text (eval.prose_new) is scored the same way as its own document (prose_new_*), and the two
+together as prose_all_*: total bits over total bytes, so each byte of either text weighs the same.
 """
 
 from __future__ import annotations
@@ -117,10 +119,11 @@ def validation_metrics(scorer: Scorer) -> dict[str, Any]:
 
 
 def prose_metrics(
-    scorer: Scorer, text: str, hw: Any, max_context: int, batch_size: int = 8
+    scorer: Scorer, text: str, hw: Any, max_context: int, batch_size: int = 8, prefix: str = "prose"
 ) -> dict[str, Any]:
-    """prose_* on one long text: sliding windows of the model's context (at most max_context tokens),
-    moved by half a window, so every scored token sees at least half a window before it."""
+    """{prefix}_* on one long text: sliding windows of the model's context (at most max_context tokens),
+    moved by half a window, so every scored token sees at least half a window before it. {prefix}_bits
+    is unrounded, for sums over several texts (prose_all_metrics)."""
     context = min(scorer.model.cfg.seq_len, max_context)
     stride = max(1, context // 2)
     windows = sliding_windows(scorer.encode(text), context, stride, scorer.token_bytes)
@@ -131,20 +134,47 @@ def prose_metrics(
         )
     r = evaluate(scorer.model, windows, batch_size=batch_size, precision=lambda: precision(hw))
     return {
-        "prose_loss": round(r["loss"], 6),
-        "prose_bpb": round(r["bpb"], 6),
-        "prose_tokens": r["tokens"],
-        "prose_bytes": r["bytes"],
-        "prose_context": context,
-        "prose_stride": stride,
+        f"{prefix}_loss": round(r["loss"], 6),
+        f"{prefix}_bpb": round(r["bpb"], 6),
+        f"{prefix}_bits": r["bpb"] * r["bytes"],
+        f"{prefix}_tokens": r["tokens"],
+        f"{prefix}_bytes": r["bytes"],
+        f"{prefix}_context": context,
+        f"{prefix}_stride": stride,
     }
 
 
-def read_prose(path: Path) -> str:
+def prose_all_metrics(parts: list[dict[str, Any]], prefixes: list[str]) -> dict[str, Any]:
+    """prose_all_*: several texts' prose metrics as one yardstick, total bits over total bytes."""
+    bits = sum(m[f"{p}_bits"] for m, p in zip(parts, prefixes, strict=True))
+    n_bytes = sum(m[f"{p}_bytes"] for m, p in zip(parts, prefixes, strict=True))
+    return {"prose_all_bpb": round(bits / n_bytes, 6), "prose_all_bytes": n_bytes}
+
+
+@dataclass(frozen=True)
+class Yardsticks:
+    """The texts every model is scored on: eval.prose, and eval.prose_new unless it is off."""
+
+    prose: str
+    prose_new: str | None = None
+
+    def metrics(self, scorer: Scorer, hw: Any, max_context: int) -> dict[str, Any]:
+        """prose_* and, with a second text, prose_new_* and prose_all_*."""
+        texts = {"prose": self.prose, "prose_new": self.prose_new}
+        parts = {p: prose_metrics(scorer, t, hw, max_context, prefix=p) for p, t in texts.items() if t}
+        out: dict[str, Any] = {}
+        for p, m in parts.items():
+            out.update({k: v for k, v in m.items() if k != f"{p}_bits"})  # unrounded: for the sum only
+        if len(parts) > 1:
+            out.update(prose_all_metrics(list(parts.values()), list(parts)))
+        return out
+
+
+def read_prose(path: Path, key: str = "eval.prose") -> str:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise EnlaceError(f"{path}: prose text not found (eval.prose in params.yaml)") from None
+        raise EnlaceError(f"{path}: prose text not found ({key} in params.yaml)") from None
     except UnicodeDecodeError as e:
         raise EnlaceError(f"{path}: not UTF-8 text (byte {e.start})") from None
     if not text.strip():
@@ -152,19 +182,33 @@ def read_prose(path: Path) -> str:
     return text
 
 
-def score_model_dir(model_dir: Path, cfg: Config, device: torch.device, prose: str | None) -> dict[str, Any]:
-    """val_* (our runs) and prose_* (any model) of one model folder: `enlace eval --model-dir DIR`."""
+def read_yardsticks(cfg: Config) -> Yardsticks:
+    """eval.prose and eval.prose_new (when set), read and checked before any text is scored."""
+    new = cfg.eval.prose_new
+    return Yardsticks(
+        read_prose(Path(cfg.eval.prose)), read_prose(Path(new), "eval.prose_new") if new else None
+    )
+
+
+def score_model_dir(
+    model_dir: Path, cfg: Config, device: torch.device, prose: str | Yardsticks | None
+) -> dict[str, Any]:
+    """val_* (our runs) and prose_* (any model; prose_new_* and prose_all_* too when given Yardsticks with
+    a second text) of one model folder: `enlace eval --model-dir DIR`."""
     scorer = load_scorer(model_dir, cfg.hardware, device)
     metrics: dict[str, Any] = {"model": scorer.name, "parameters": scorer.model.num_parameters()}
     if scorer.config is not None:
         metrics.update(validation_metrics(scorer))
     if prose is not None:
-        metrics.update(prose_metrics(scorer, prose, cfg.hardware, cfg.eval.prose_context))
+        texts = prose if isinstance(prose, Yardsticks) else Yardsticks(prose)
+        metrics.update(texts.metrics(scorer, cfg.hardware, cfg.eval.prose_context))
     return metrics
 
 
 # Models the eval stage scores next to the run, when present: the byte-level baseline and SmolLM2.
 REFERENCES = {"smoke": paths.RUNS / "smoke", "smollm2": paths.SMOLLM2_DIR}
+# What metrics.json keeps of each reference's prose scores (as {name}_{key}).
+REFERENCE_PROSE_KEYS = ("prose_bpb", "prose_context", "prose_new_bpb", "prose_all_bpb")
 
 
 def sample_prompts(model: Llama, cfg: Config, device: torch.device) -> tuple[list[dict[str, str]], float]:
@@ -212,7 +256,7 @@ def run_eval(
                 f"{ckpt}: trained with a different {section} config than the one selected now; "
                 f"select the run's config (see {ckpt}/meta.json) or retrain"
             )
-    prose = read_prose(Path(cfg.eval.prose))
+    texts = read_yardsticks(cfg)
     metrics: dict[str, Any] = {
         "checkpoint": ckpt.name,
         "step": meta["step"],
@@ -220,14 +264,16 @@ def run_eval(
         "config_hash": cfg.hash,  # eval's own config; the checkpoint's meta.json holds the run's
         "prose_file": str(cfg.eval.prose),
     }
+    if texts.prose_new is not None:
+        metrics["prose_new_file"] = str(cfg.eval.prose_new)
     metrics.update(validation_metrics(scorer))
-    metrics.update(prose_metrics(scorer, prose, cfg.hardware, cfg.eval.prose_context))
+    metrics.update(texts.metrics(scorer, cfg.hardware, cfg.eval.prose_context))
     samples, gen_tps = sample_prompts(model, cfg, device)
     metrics["generate_tokens_per_s"] = gen_tps
     for name, folder in REFERENCES.items():
         if (folder / "checkpoints").is_dir() or (folder / "config.json").exists():
-            ref = score_model_dir(folder, cfg, device, prose)
-            for key in ("val_bpb", "val_bytes", "prose_bpb", "prose_context"):
+            ref = score_model_dir(folder, cfg, device, texts)
+            for key in ("val_bpb", "val_bytes", *REFERENCE_PROSE_KEYS):
                 if key in ref:
                     metrics[f"{name}_{key}"] = ref[key]
 
