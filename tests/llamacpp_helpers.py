@@ -124,11 +124,13 @@ def check_round_trip(
     work: Path,
     new_tokens: int = 32,
     exact: bool = True,
+    logit_tol: float = LOGIT_TOL,
 ) -> RoundTrip:
     """Every check of issue 29 on one file; returns the measurements (asserts on failure).
 
-    exact=False (f16/bf16 files): rounded weights, so greedy tokens are not compared; bits per byte still
-    within 1% of the fp32 model's."""
+    exact=False (f16/bf16/q8_0 files): rounded weights, so greedy tokens are not compared; bits per byte
+    still within 1% of the fp32 model's. logit_tol: how far the two logits may be apart (Gemma's GELU runs
+    through a half-precision table in llama.cpp: see tests/test_llama_cpp.py)."""
     model = model.float().eval()
     prompts = [tok.encode(p) for p in PROMPTS]
     score = tok.encode(TEXT)
@@ -163,9 +165,9 @@ def check_round_trip(
         if k < len(ours):
             d = Divergence(i, k, ours[k], theirs[k], float(diffs[k]),
                            float(logits[k][theirs[k]] - logits[k][ours[k]]))  # fmt: skip
-            assert d.logit_diff < LOGIT_TOL and 0 <= d.gap < 2 * LOGIT_TOL, d
+            assert d.logit_diff < logit_tol and 0 <= d.gap < 2 * logit_tol, d
             rt.divergences.append(d)
-    assert rt.max_logit_diff < LOGIT_TOL, rt.max_logit_diff
+    assert rt.max_logit_diff < logit_tol, rt.max_logit_diff
     # Perplexity: llama.cpp's next-token log-probabilities, in bits per byte of the same text.
     windows = sliding_windows(score, len(score) - 1, len(score) - 1, counter)
     ref = evaluate(model, windows, batch_size=1)
