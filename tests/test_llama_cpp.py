@@ -244,7 +244,8 @@ def test_gemma3_gguf_carries_what_llama_cpp_hard_codes_and_imports_back(gemma_me
     tokens = f["tokenizer.ggml.tokens"]
     assert [tokens[f[f"tokenizer.ggml.{k}_token_id"]] for k in ("bos", "eos", "eot", "padding")] == [
         "<bos>", "<eos>", "<end_of_turn>", "<pad>"]  # fmt: skip
-    assert "  " in tokens and f["tokenizer.ggml.token_type"][tokens.index("  ")] == 4  # real spaces, user-defined
+    # A space run: real spaces and user-defined, as llama.cpp matches it in the raw text.
+    assert "  " in tokens and f["tokenizer.ggml.token_type"][tokens.index("  ")] == 4
     assert f["tokenizer.chat_template"] == gguf_gemma.CHAT_TEMPLATE
     state = load_hf_folder(merged).state_dict()
     norm = next(t for t in reader.tensors if t.name == "blk.1.post_ffw_norm.weight")
