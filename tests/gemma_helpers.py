@@ -2,7 +2,7 @@
 
 The real model is 268M parameters with a 262,144-entry vocabulary: too big for a fast test. This one keeps
 what an export to GGUF must get right: Gemma's tokenizer layout (its real control tokens <pad> <eos> <bos>
-<unk> <mask> <start_of_turn> <end_of_turn>, user-defined newline and space runs and an HTML tag, 256 byte
+<unk> <mask> <start_of_turn> <end_of_turn>, user-defined newline and space runs and HTML tags, 256 byte
 pieces, then BPE pieces best first), its chat template and stop ids, and the Gemma switches of the decoder
 (sandwich norms with random offsets, GeGLU, QK-norm, scaled embeddings, a sliding window shorter than the
 prompts, two RoPE bases, grouped-query attention, a head_dim apart from d_model / n_head).
@@ -26,7 +26,7 @@ from enlace.model import Llama
 from enlace.scoring.token_bytes import TokenBytes
 
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
-USER = ["[multimodal]", "\n", "\n\n", "  ", "   ", "<table>"]
+USER = ["[multimodal]", "\n", "\n\n", "  ", "   ", "<table>", "</s>"]  # </s>: Gemma's HTML strikethrough
 TURNS = ["<start_of_turn>", "<end_of_turn>"]
 # Text the BPE pieces are learnt from: Spanish with accents, ñ, ¿ ¡ and digits (the test prompts' alphabet).
 TEXTS = [

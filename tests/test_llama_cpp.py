@@ -164,6 +164,11 @@ def test_llama_cpp_script_warm_call_is_quick():
 # Against ENLACE's exact GELU the logits then move by more than fp32 summation alone: GELU_TOL bounds that;
 # with the table emulated in ENLACE, the standard LOGIT_TOL holds again (test below).
 GELU_TOL = 0.05
+# Gemma's vocabulary has the HTML tag </s> as a user-defined piece; llama.cpp takes it for an end-of-text
+# marker, warns and makes it a control token. It does so for Google's model as converted by llama.cpp itself
+# (the PyPI Gemma 3 270M Q4_K_M file: the same line for its token 212), so it is llama.cpp's warning.
+GEMMA_WARNINGS = (r"load: control-looking token: +\d+ '</s>' was not control-type; this is probably a bug in "
+                  r"the model\. its type will be overridden",)  # fmt: skip
 
 
 def gelu_fp16_table(x: torch.Tensor) -> torch.Tensor:
@@ -209,7 +214,10 @@ def test_gemma3_lora_merged_f32_gguf_round_trip(gemma_merged, tmp_path):
         ids = torch.tensor([tok.encode("Hola, ¿qué tal?")])
         assert (model(ids).logits - load_hf_folder(base)(ids).logits).abs().max() > 1e-2
     work = tmp_path / "llama"
-    rt = check_round_trip(model, tok, gemma_token_bytes(merged), ggufs["f32"], work, logit_tol=GELU_TOL)
+    counter = gemma_token_bytes(merged)
+    rt = check_round_trip(
+        model, tok, counter, ggufs["f32"], work, logit_tol=GELU_TOL, known_warnings=GEMMA_WARNINGS
+    )
     print(summary("tiny Gemma 3 + LoRA merged F32", rt))
     assert sum(rt.greedy_equal) >= 2 * 32
     # The gap to ENLACE is llama.cpp's GELU table: emulate it and the logits agree as closely as
@@ -268,5 +276,7 @@ def test_gemma3_rounded_ggufs_load_and_score(gemma_merged, tmp_path, ftype):
     _, merged, ggufs = gemma_merged
     model = load_hf_folder(merged)
     counter = gemma_token_bytes(merged)
-    rt = check_round_trip(model, HFTokenizer(merged), counter, ggufs[ftype], tmp_path / "llama", exact=False)
+    work = tmp_path / "llama"
+    rt = check_round_trip(model, HFTokenizer(merged), counter, ggufs[ftype], work, exact=False,
+                          known_warnings=GEMMA_WARNINGS)  # fmt: skip
     print(summary(f"tiny Gemma 3 + LoRA merged {ftype}", rt))
