@@ -66,6 +66,22 @@ def llama_python() -> Path:
     return Path(proc.stdout.strip().splitlines()[-1])
 
 
+def random_adapter(base: Path, out: Path, targets: list[str], scale: float) -> Path:
+    """A rank-4 LoRA adapter on base with random non-zero B (a trained-looking adapter: B starts at 0)."""
+    from enlace.hf.folder import load_hf_folder
+    from enlace.lora import inject_lora, save_adapter
+
+    model = load_hf_folder(base)
+    inject_lora(model, targets, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    save_adapter(model, out, str(base))
+    return out
+
+
 @dataclass
 class LlamaCppRun:
     result: dict[str, Any]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from export_helpers import make_project
-from llamacpp_helpers import check_round_trip, llama_python, run_llama_cpp
+from llamacpp_helpers import check_round_trip, llama_python, random_adapter, run_llama_cpp
 
 from enlace.cli import main
 from enlace.eval.evaluate import load_trained_model
@@ -108,18 +108,10 @@ def smollm2_merged(tmp_path_factory):
     """SmolLM2-135M-Instruct (from its PyPI wheel) with a rank-4 LoRA adapter of random non-zero B,
     merged and exported by the CLI as F32 GGUF."""
     from enlace.hf.gguf_import import import_smollm2
-    from enlace.lora import inject_lora, save_adapter
 
     tmp = tmp_path_factory.mktemp("smollm2-lora")
     base = import_smollm2(tmp / "base", tmp / "pypi")  # pip's cache serves the wheel
-    model = load_hf_folder(base)
-    inject_lora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], rank=4, alpha=8)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    save_adapter(model, tmp / "adapter", str(base))
+    random_adapter(base, tmp / "adapter", ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], 0.02)
     out = tmp / "merged"
     args = ["export", "--model", str(base), "--adapter", str(tmp / "adapter"), "--out", str(out)]
     assert main([*args, "--gguf", "--gguf-type", "f32"]) == 0
@@ -183,18 +175,11 @@ def gemma_merged(tmp_path_factory):
     LoRA adapter of random non-zero B on every target, merged and exported by the CLI as F32, BF16, Q8_0."""
     from gemma_helpers import tiny_gemma_folder
 
-    from enlace.lora import ALL_TARGETS, inject_lora, save_adapter
+    from enlace.lora import ALL_TARGETS
 
     tmp = tmp_path_factory.mktemp("gemma3-lora")
     base = tiny_gemma_folder(tmp / "base")
-    model = load_hf_folder(base)
-    inject_lora(model, ALL_TARGETS, rank=4, alpha=8)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    save_adapter(model, tmp / "adapter", str(base))
+    random_adapter(base, tmp / "adapter", ALL_TARGETS, 0.05)
     out = tmp / "merged"
     for ftype in ("f32", "bf16", "q8_0"):
         args = ["export", "--model", str(base), "--adapter", str(tmp / "adapter"), "--out", str(out)]
