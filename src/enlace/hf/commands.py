@@ -18,7 +18,7 @@ def _export(args: argparse.Namespace) -> int:
         raise EnlaceError(f"--gguf-type {args.gguf_type!r}: choose one of {sorted(FILE_TYPES)}")
     if (args.model is None) != (args.adapter is None):
         raise EnlaceError("--model and --adapter go together (a base folder and the LoRA adapter to merge)")
-    from ..io import require_folder
+    from ..io import require_folder, sha256_file
 
     out = require_folder(Path(args.out), "--out")
     model = None
@@ -33,7 +33,8 @@ def _export(args: argparse.Namespace) -> int:
         gguf = Path(args.gguf) if args.gguf else out.parent / f"{out.name}-{args.gguf_type}.gguf"
         export_folder_gguf(out, gguf, args.gguf_type, model)
         result["gguf"] = str(gguf)
-        print(f"wrote {gguf} ({args.gguf_type})")
+        result["gguf_sha256"] = sha256_file(gguf)
+        print(f"wrote {gguf} ({args.gguf_type}, sha256 {result['gguf_sha256']})")
     info = Path(out) / "export.json"
     from ..io import atomic_write_json
 
@@ -100,7 +101,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "--gguf", nargs="?", const="", default=None, metavar="PATH",
         help="also write GGUF (default path: <out>-<type>.gguf beside the folder)",
     )  # fmt: skip
-    p.add_argument("--gguf-type", default="f16", help="f32, f16 (default) or bf16")
+    p.add_argument("--gguf-type", default="f16", help="f32, f16 (default), bf16 or q8_0")
     p.set_defaults(handler=_export)
 
     p = sub.add_parser("bench-es", help="the project's Spanish benchmark (lm-evaluation-harness, offline)")

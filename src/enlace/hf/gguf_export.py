@@ -1,10 +1,11 @@
 """Our Llama -> a GGUF file with the `gguf` package's writer, in llama.cpp's conventions.
 
-Tensors get llama.cpp's names and, for the `llama` architecture, its q/k row order (state_dict_adapter).
-Weight matrices are stored as f32, f16 or bf16; norms stay f32, as llama.cpp's converter keeps them. The
-vocabulary goes in as llama.cpp's sentencepiece ("llama") type when the folder or run has our
-tokenizer.model, as its byte-level BPE ("gpt2") type for GPT-2-style tokenizer.json files (SmolLM2), and as
-256 byte tokens for the byte-level smoke model.
+Tensors get llama.cpp's names and, for the `llama` architecture, its q/k row order (state_dict_adapter;
+for `gemma3`, its 1 + w norms). Weight matrices are stored as f32, f16, bf16 or Q8_0; norms stay f32, as
+llama.cpp's converter keeps them. The vocabulary goes in as llama.cpp's sentencepiece ("llama") type when the
+folder or run has our tokenizer.model or is Gemma 3 (its pieces rebuilt by gguf_gemma), as its byte-level
+BPE ("gpt2") type for GPT-2-style tokenizer.json files (SmolLM2), and as 256 byte tokens for the byte-level
+smoke model.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import torch
 from ..errors import EnlaceError
 from ..io import fsync_file
 from ..model import Llama
-from . import sp_convert
+from . import gguf_gemma, sp_convert
 from .state_dict_adapter import gguf_arch, to_gguf
 
-FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32}  # llama.cpp's LLAMA_FTYPE values
+FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE values
+Q8_BLOCK = 32  # Q8_0 quantizes rows in blocks of 32 weights (one fp16 scale each)
 PRE_TOKENIZER_DIGITS = "smollm"  # llama.cpp's name for GPT-2 regex after splitting digits one by one
 
 
@@ -133,7 +135,13 @@ def write_gguf(
         if "merges" in vocab:
             w.add_token_merges(vocab["merges"])
             w.add_tokenizer_pre(vocab["pre"])
-        if vocab["model"] == "llama":
+        if arch == "gemma3":
+            gguf_gemma.write_keys(w, cfg)
+            w.add_tokenizer_pre(vocab["pre"])
+            w.add_add_space_prefix(vocab["add_space_prefix"])
+            if vocab.get("eot") is not None:
+                w.add_eot_token_id(int(vocab["eot"]))  # a chat turn ends here (llama.cpp's end of generation)
+        elif vocab["model"] == "llama":
             w.add_add_space_prefix(True)
             # What our importer needs to rebuild the exact sentencepiece pipeline (llama.cpp ignores them).
             w.add_bool("enlace.tokenizer.split_digits", bool(vocab.get("split_digits", False)))
@@ -158,8 +166,12 @@ def write_gguf(
             if t.dim() == 1 or ftype == "f32":
                 arr = t.numpy()
                 w.add_tensor(gname, arr)
-            elif ftype == "f16":
+            elif ftype == "f16" or (ftype == "q8_0" and t.shape[-1] % Q8_BLOCK):
+                # A row that is no whole number of Q8_0 blocks stays f16, as llama.cpp's converter does.
                 w.add_tensor(gname, t.to(torch.float16).numpy())
+            elif ftype == "q8_0":  # the gguf package's Q8_0, llama.cpp's reference rounding
+                q8 = gguf.GGMLQuantizationType.Q8_0
+                w.add_tensor(gname, gguf.quants.quantize(t.numpy(), q8), raw_dtype=q8)
             else:  # bf16: numpy has no bfloat16, so the raw bits go in with their type
                 bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
                 w.add_tensor(gname, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
@@ -183,7 +195,9 @@ def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llam
     folder = Path(folder)
     model = model if model is not None else load_hf_folder(folder)
     tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    if (folder / "tokenizer.model").exists():
+    if gguf_arch(model.cfg) == "gemma3":
+        vocab = gguf_gemma.vocab(folder)
+    elif (folder / "tokenizer.model").exists():
         vocab = spm_vocab(folder / "tokenizer.model")
     elif (
         model.cfg.vocab_size == 256

@@ -1,14 +1,21 @@
-"""Gemma 3 from a GGUF file (llama.cpp's `gemma3` architecture): its config.json, tokenizer and chat format.
+"""Gemma 3 from and to a GGUF file (llama.cpp's `gemma3` architecture): config, tokenizer and chat format.
 
-The GGUF states the shape, the global RoPE base and the window, but not what llama.cpp hard-codes for the
+Import: the GGUF states the shape, the global RoPE base and the window, but not what llama.cpp hard-codes for the
 architecture: the local layers' RoPE base (10k), the layer pattern (every 6th layer global) and the
 attention scale (1/sqrt(head_dim), or 1/sqrt(d_model/n_head) for the 27B). Those are read from the file
 when a newer converter writes them, else llama.cpp's values are used. The weights' names and their norm
 offset are state_dict_adapter's business.
+
+Export: the same keys written from our config (`write_keys`), and the vocabulary rebuilt from the folder's
+tokenizer.json, which the import made from the GGUF's pieces (`vocab`).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from pathlib import Path
 from typing import Any
 
 from . import sp_convert
@@ -47,12 +54,16 @@ def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     d, heads = int(meta[f"{a}.embedding_length"]), int(meta[f"{a}.attention.head_count"])
     head_dim = int(meta.get(f"{a}.attention.key_length", d // heads))
     n_layer = int(meta[f"{a}.block_count"])
-    every = int(meta.get(f"{a}.attention.sliding_window_pattern", GLOBAL_EVERY))
+    every = meta.get(f"{a}.attention.sliding_window_pattern", GLOBAL_EVERY)
+    if not isinstance(every, int):  # a per-layer list of booleans (true: sliding), as newer converters write
+        every = _every_from_flags(list(every), n_layer)
     theta = float(meta.get(f"{a}.rope.freq_base", 1_000_000.0))
     local_theta = float(meta.get(f"{a}.rope.freq_base_swa", LOCAL_ROPE_THETA))
     scalar = d // heads if meta.get("general.size_label") == "27B" else head_dim
     tokens = meta["tokenizer.ggml.tokens"]
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    window = meta.get(f"{a}.attention.sliding_window")
+    window = int(window) if window else None  # absent or 0: every layer global (llama.cpp's reading)
     return {
         "architectures": ["Gemma3ForCausalLM"],
         "model_type": "gemma3_text",
@@ -68,9 +79,10 @@ def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         # GGUF stores eps as float32 (9.99999997e-07); round back to the decimal it came from.
         "rms_norm_eps": float(f"{float(meta[f'{a}.attention.layer_norm_rms_epsilon']):.6g}"),
         "query_pre_attn_scalar": scalar,
-        "sliding_window": int(meta[f"{a}.attention.sliding_window"]),
+        "sliding_window": window,
         "layer_types": [
-            "full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layer)
+            "full_attention" if window is None or (i + 1) % every == 0 else "sliding_attention"
+            for i in range(n_layer)
         ],
         "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": theta},
@@ -88,6 +100,16 @@ def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "use_cache": True,
     }
+
+
+def _every_from_flags(flags: list[bool], n_layer: int) -> int:
+    """The one global-every-n pattern that a per-layer flag list spells, or refuse the file."""
+    from .config import UnsupportedModelError
+
+    for every in range(1, n_layer + 1):
+        if [(i + 1) % every != 0 for i in range(n_layer)] == [bool(f) for f in flags]:
+            return every
+    raise UnsupportedModelError(f"GGUF sliding-window layers {flags}: not one global layer every n")
 
 
 def stop_ids(meta: dict[str, Any]) -> list[int]:
@@ -166,3 +188,88 @@ def tokenizer(meta: dict[str, Any]):
             special_tokens=[(tokens[bos], bos)],
         )  # fmt: skip
     return tok
+
+
+# --- export -----------------------------------------------------------------------------------------------
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-F]{2}>")
+SPECIAL_SCORE = -1000.0  # what llama.cpp's sentencepiece conversion gives control and user-defined pieces
+
+
+def vocab(folder: Path) -> dict[str, Any]:
+    """llama.cpp's "llama" (sentencepiece) vocabulary of a Gemma folder, from its tokenizer.json.
+
+    The folder's tokenizer is `tokenizer()` above applied to the GGUF's pieces, so this undoes it: special
+    added tokens are control pieces, the other added tokens user-defined, runs of two or more "▁" in the
+    model's vocabulary the user-defined space runs (spelled with real spaces again, as llama.cpp matches
+    them in the raw text), "<0xNN>" the byte pieces, the rest normal pieces. Scores: llama.cpp merges
+    pieces by score and ENLACE by position (the import ranks merges by it), so normal pieces get minus
+    their rank, which orders them as both do; Gemma's own scores are the same order (minus the rank, with
+    one gap of 31 where its space runs were). Control and user-defined pieces get -1000 and byte pieces 0,
+    as in Gemma's file.
+    """
+    from .gguf_export import GGUFExportError
+
+    path = Path(folder) / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    model = data.get("model", {})
+    if model.get("type") != "BPE" or not model.get("byte_fallback"):
+        raise GGUFExportError(f"{path}: not Gemma's sentencepiece-style BPE with byte fallback")
+    by_id: dict[int, str] = {i: t for t, i in model["vocab"].items()}
+    added = {t["id"]: t for t in data.get("added_tokens", [])}
+    for i, t in added.items():
+        by_id.setdefault(i, t["content"])
+    if sorted(by_id) != list(range(len(by_id))):
+        raise GGUFExportError(f"{path}: token ids are not 0..{len(by_id) - 1} without gaps")
+    space = sp_convert.SPACE
+    tokens, types, scores, rank = [], [], [], 0
+    for i in range(len(by_id)):
+        t = by_id[i]
+        if i in added:
+            types.append(sp_convert.CONTROL if added[i].get("special") else sp_convert.USER_DEFINED)
+        elif len(t) > 1 and not t.strip(space):
+            t = " " * len(t)
+            types.append(sp_convert.USER_DEFINED)
+        elif _BYTE_PIECE.fullmatch(t):
+            types.append(sp_convert.BYTE)
+        else:
+            types.append(sp_convert.NORMAL)
+        tokens.append(t)
+        if types[-1] == sp_convert.NORMAL:
+            scores.append(-float(rank))
+            rank += 1
+        else:
+            scores.append(0.0 if types[-1] == sp_convert.BYTE else SPECIAL_SCORE)
+    if types.count(sp_convert.BYTE) != 256:
+        raise GGUFExportError(f"{path}: {types.count(sp_convert.BYTE)} byte pieces, not 256")
+    ids = {t: i for i, t in enumerate(tokens)}
+    return {
+        "model": "llama",
+        "pre": "default",
+        "tokens": tokens,
+        "scores": scores,
+        "types": types,
+        "unk": ids.get("<unk>"),
+        "eot": ids.get(END_OF_TURN),
+        "add_space_prefix": False,  # Gemma's sentencepiece model has no dummy prefix
+    }
+
+
+def write_keys(w, cfg) -> None:
+    """The gemma3 keys llama.cpp reads beyond the common ones, and the checks for what it hard-codes."""
+    from .gguf_export import GGUFExportError
+
+    # llama.cpp scales queries by 1/sqrt(head_dim), or 1/sqrt(d_model / n_head) for the 62-layer 27B,
+    # with no key to say otherwise: refuse a model whose query_pre_attn_scalar disagrees.
+    expected = cfg.d_model // cfg.n_head if cfg.n_layer == 62 else cfg.head_dim
+    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
+    if not math.isclose(scalar, expected):
+        raise GGUFExportError(
+            f"model {cfg.name}: query_pre_attn_scalar {scalar}, but llama.cpp's gemma3 scales attention by "
+            f"1/sqrt({expected}) for {cfg.n_layer} layers; not exportable as GGUF"
+        )
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern(cfg.global_every)  # llama.cpp: every n-th layer global, as ours
+    local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
+    w.add_rope_freq_base_swa(local)

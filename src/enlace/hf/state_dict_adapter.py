@@ -6,7 +6,8 @@ The GGUF side renames tensors (`blk.N.attn_q` ...) and, for llama.cpp's `llama` 
 the rows of q_proj/k_proj: llama.cpp rotates interleaved pairs (2i, 2i+1) where we rotate halves
 (i, i + head_dim/2). Its `qwen3` and `gemma3` architectures use the half-split (NeoX) rotation, so nothing
 is permuted there. Its `gemma3` names the four norms of a layer after their place and stores every norm
-weight as 1 + w, the scale its kernels multiply by; Hugging Face's Gemma (and ours) stores w.
+weight (q/k norms and the final norm included) as 1 + w, the scale its kernels multiply by; Hugging Face's
+Gemma (and ours) stores w, so the GGUF side adds 1 on the way out and takes it off on the way in.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from ..config.model import ModelConfig
 from ..errors import EnlaceError
+from .config import is_gemma3
 
 # Buffers older transformers versions saved; they are recomputed, not loaded.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,6 +46,7 @@ GEMMA3_LAYER_NAMES = {
 }
 GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _HF_LAYER = {v: k for k, v in GGUF_LAYER_NAMES.items()}
+_HF_GEMMA3_LAYER = {v: k for k, v in GEMMA3_LAYER_NAMES.items()}
 _HF_GLOBAL = {v: k for k, v in GGUF_GLOBAL_NAMES.items()}
 
 
@@ -52,11 +55,10 @@ class WeightsError(EnlaceError):
 
 
 def gguf_arch(cfg: ModelConfig) -> str:
-    """llama.cpp's architecture for our config: QK-norm is Qwen3's, otherwise plain Llama."""
-    if cfg.sandwich_norm:
-        raise WeightsError(
-            f"model {cfg.name}: GGUF export of Gemma 3 is not implemented (its folder exports)"
-        )
+    """llama.cpp's architecture for our config: Gemma 3's switches are `gemma3`, QK-norm alone is Qwen3's,
+    otherwise plain Llama."""
+    if is_gemma3(cfg):  # raises on a partial set of Gemma switches
+        return "gemma3"
     return "qwen3" if cfg.qk_norm else "llama"
 
 
@@ -124,11 +126,12 @@ def hf_name(name: str, arch: str = "llama") -> str:
     raise WeightsError(f"GGUF tensor {name!r} has no Llama counterpart")
 
 
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: str = "llama") -> str:
     base, _, suffix = name.rpartition(".")
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
-    if m and m.group(2) in _HF_LAYER:
-        return f"blk.{m.group(1)}.{_HF_LAYER[m.group(2)]}.{suffix}"
+    layer_names = _HF_GEMMA3_LAYER if arch == "gemma3" else _HF_LAYER
+    if m and m.group(2) in layer_names:
+        return f"blk.{m.group(1)}.{layer_names[m.group(2)]}.{suffix}"
     if base in _HF_GLOBAL:
         return f"{_HF_GLOBAL[base]}.{suffix}"
     raise WeightsError(f"tensor {name!r} has no GGUF counterpart")
@@ -136,14 +139,16 @@ def gguf_name(name: str) -> str:
 
 def to_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """GGUF names and layout (rows still [out, in]; the writer reverses the shape into ggml order)."""
-    permute = gguf_arch(cfg) == "llama"
+    arch = gguf_arch(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, w in to_hf(cfg, state).items():
-        if permute and name.endswith("self_attn.q_proj.weight"):
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1.0
+        elif arch == "llama" and name.endswith("self_attn.q_proj.weight"):
             w = permute_qk(w, cfg.n_head)
-        elif permute and name.endswith("self_attn.k_proj.weight"):
+        elif arch == "llama" and name.endswith("self_attn.k_proj.weight"):
             w = permute_qk(w, cfg.n_kv_head)
-        out[gguf_name(name)] = w
+        out[gguf_name(name, arch)] = w
     return out
 
 
