@@ -153,3 +153,18 @@ def test_distinct_2_and_language_checks():
     assert not is_spanish("You can make a potato omelette with the onion.")
     c = answer_checks(["¿Por qué? ¿Por qué? ¿Por qué?", "Para la cena, una tortilla de patatas."])
     assert c["looping"] == 0.5 and c["spanish"] == 1.0
+
+
+def test_budget_shorter_than_heldout_answers_is_warned():
+    """finetune-eval names a generation budget that would cut the held-out answers (answers cannot end)."""
+    from enlace.finetune.data import Dataset, Example
+    from enlace.finetune.evaluate import answer_budget_warning
+    from enlace.model import IGNORE_INDEX
+
+    def ex(prompt: int, answer: int) -> Example:
+        return Example(list(range(prompt + answer)), [IGNORE_INDEX] * prompt + list(range(answer)))
+
+    val = Dataset([ex(5, 10), ex(3, 30), ex(8, 20)])
+    assert answer_budget_warning(val, 30) is None
+    msg = answer_budget_warning(val, 12)
+    assert msg is not None and "max_new_tokens=12" in msg and "2 of the 3" in msg and "longest is 30" in msg

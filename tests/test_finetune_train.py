@@ -121,8 +121,15 @@ def test_training_lowers_heldout_loss_and_eval_writes_answers(setup, tmp_path):
         for who in ("verdict", "base_verdict"):
             assert {"spanish", "on_topic", "loops", "keywords_found", "ok"} == set(q[who])
         assert isinstance(q["finetuned"], str) and isinstance(q["base"], str)
+        # Whether the answer ended by itself: a cut one used the whole budget, an ended one stopped earlier or
+        # on its last token.
+        for tokens, ended in ((q["tokens"], q["ended"]), (q["base_tokens"], q["base_ended"])):
+            assert 1 <= tokens <= cfg.generation.max_new_tokens and isinstance(ended, bool)
+            assert ended or tokens == cfg.generation.max_new_tokens
     assert set(saved["judge"]) == {"base", "finetuned"} and saved["judge"]["finetuned"]["questions"] == 2
     assert saved["new_questions_ok_rate"] == saved["judge"]["finetuned"]["ok_rate"]
+    ended = [q["ended"] for q in saved["questions"]]
+    assert saved["new_questions_ended_rate"] == sum(ended) / len(ended)
 
 
 def test_cli_flags_map_onto_finetune_config():

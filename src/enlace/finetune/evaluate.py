@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import unicodedata
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +22,7 @@ from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
 from ..lora import load_adapter, set_merged
+from ..model import IGNORE_INDEX
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
 from .judge import judge, rates, read_questions
@@ -111,7 +114,14 @@ def heldout_loss(model, data: Dataset, pad_id: int, batch: int = 4) -> float:
     return total / max(count, 1)
 
 
-def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> str:
+@dataclass(frozen=True)
+class Reply:
+    text: str
+    tokens: int  # new tokens generated, the stop token included
+    ended: bool  # stopped at an end id (<end_of_turn>, <eos>, ...) rather than at max_new_tokens
+
+
+def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> Reply:
     from ..generate import generate
 
     msgs = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + [
@@ -132,16 +142,38 @@ def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> str:
             eos_ids=tok.eos_ids,
         )
     )
-    return tok.decode(ids, skip_special_tokens=True).strip()
+    ended = bool(ids) and ids[-1] in tok.eos_ids
+    return Reply(tok.decode(ids, skip_special_tokens=True).strip(), len(ids), ended)
 
 
-def answer_questions(model, tok: HFTokenizer, questions: list, cfg: FinetuneConfig) -> list[tuple[str, dict]]:
+def answer_questions(
+    model, tok: HFTokenizer, questions: list, cfg: FinetuneConfig
+) -> list[tuple[Reply, dict]]:
     """Each held-out question's answer and its verdict."""
     out = []
     for q in questions:
         a = answer(model, tok, q.question, cfg)
-        out.append((a, judge(a, q)))
+        out.append((a, judge(a.text, q)))
     return out
+
+
+def ended_rate(replies: list[Reply]) -> float:
+    """Share of answers that ended by themselves: one cut at max_new_tokens is unfinished, whatever the judge
+    says of its words."""
+    return round(sum(r.ended for r in replies) / max(len(replies), 1), 4)
+
+
+def answer_budget_warning(val: Dataset, max_new_tokens: int) -> str | None:
+    """A warning when the generation budget is shorter than the held-out answers (in the base's tokens): the
+    model then cannot finish an answer of the length it was taught, and every such answer is cut."""
+    lengths = [sum(1 for x in e.labels if x != IGNORE_INDEX) for e in val.examples]
+    longer = sum(n > max_new_tokens for n in lengths)
+    if not longer:
+        return None
+    return (
+        f"warning: generation.max_new_tokens={max_new_tokens} is below {longer} of the {len(lengths)} held-out "
+        f"answers (the longest is {max(lengths)} tokens with its end marker): such answers are cut, not ended"
+    )
 
 
 def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None = None) -> dict:
@@ -153,30 +185,41 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
     tok = HFTokenizer(Path(cfg.base_model))
     model = load_hf_folder(Path(cfg.base_model))
     val = load_dataset(tok, Path(cfg.val_data), cfg.format, cfg.max_len, None, cfg.system_prompt)
+    warning = answer_budget_warning(val, cfg.generation.max_new_tokens)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     before = heldout_loss(model, val, tok.pad_id)
-    answers_before = [answer(model, tok, p, cfg) for p in cfg.eval_prompts]
+    answers_before = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]
     judged_before = answer_questions(model, tok, questions, cfg) if cfg.judge_base else []
     load_adapter(model, adapter, cfg.base_model)
     after = heldout_loss(model, val, tok.pad_id)
     set_merged(model, True)  # same outputs, one matmul per projection while generating
-    answers_after = [answer(model, tok, p, cfg) for p in cfg.eval_prompts]
+    answers_after = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]
     judged_after = answer_questions(model, tok, questions, cfg)
     reduction = (before - after) / before if before > 0 else 0.0
     checks = {"base": answer_checks(answers_before), "finetuned": answer_checks(answers_after)}
-    judged = {"finetuned": rates([v for _, v in judged_after])}
+    judged = {
+        "finetuned": rates([v for _, v in judged_after])
+        | {"ended_rate": ended_rate([a for a, _ in judged_after])}
+    }
     if cfg.judge_base:
-        judged["base"] = rates([v for _, v in judged_before])
+        judged["base"] = rates([v for _, v in judged_before]) | {
+            "ended_rate": ended_rate([a for a, _ in judged_before])
+        }
     verdicts = []
     for i, (q, (a, v)) in enumerate(zip(questions, judged_after, strict=True)):
         row = {
             "question": q.question,
             "topic": q.topic,
             "keywords": list(q.keywords),
-            "finetuned": a,
+            "finetuned": a.text,
             "verdict": v,
+            "tokens": a.tokens,
+            "ended": a.ended,
         }
         if cfg.judge_base:
-            row.update(base=judged_before[i][0], base_verdict=judged_before[i][1])
+            b, bv = judged_before[i]
+            row.update(base=b.text, base_verdict=bv, base_tokens=b.tokens, base_ended=b.ended)
         verdicts.append(row)
     result = {
         "base_model": cfg.base_model,
