@@ -39,11 +39,9 @@ run: $(STAMP) system-deps
 	$(BIN)/dvc repro $(RUN_STAGES)
 	$(BIN)/enlace report
 
-# Two pytest workers, one torch thread each: the serial suite kept 2 cores about 45% busy (start-ups, servers,
-# subprocesses); whole files per worker, so a module's fixtures are built once.
 test: $(STAMP) system-deps browser-deps llama-cpp
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q
 
 # llama.cpp (llama-cpp-python from its pinned PyPI source package, portable AVX2 flags) for the GGUF
 # round-trip tests and the serving benchmark: built once per machine into ~/.cache/enlace/llama-cpp, in a
