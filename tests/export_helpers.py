@@ -24,7 +24,7 @@ TINY = [
     "--set", "model.ffn_multiple_of=16", "--set", "hardware.num_threads=1",
     "--set", "train.max_steps=6", "--set", "train.checkpoint.every=6",
     "--set", "train.schedule.warmup_steps=2", "--set", "train.schedule.decay_steps=2",
-    "--set", "train.micro_batch_size=4", "--set", "train.global_batch_size=4",
+    "--set", "train.micro_batch_size=4", "--set", "train.grad_accum_steps=1", "--set", "train.global_batch_size=4",
     "--set", "train.eval_batches=1", "--set", "train.eval_every=0",
 ]  # fmt: skip
 
