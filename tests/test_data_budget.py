@@ -27,14 +27,14 @@ def _shards(folder: Path, train_tokens: int) -> dict[str, Path]:
 
 
 def test_epochs_from_the_shards_and_the_error_names_both_numbers_and_the_keys(tmp_path):
-    # cpu-small plans 1290 steps x 16 x 256 = 5,283,840 tokens.
+    # cpu-small plans 1100 steps x 16 x 256 = 4,505,600 tokens.
     cfg = _cfg()
     ok = check_budget(cfg, require_data=True, **_shards(tmp_path / "a", 2_000_000))
-    assert ok.planned == 5_283_840 and ok.exact and ok.epochs == pytest.approx(2.64192)
+    assert ok.planned == 4_505_600 and ok.exact and ok.epochs == pytest.approx(2.2528)
     with pytest.raises(DataError) as e:
         check_budget(cfg, require_data=True, **_shards(tmp_path / "b", 400_000))
     msg = str(e.value)
-    assert "5,283,840 tokens" in msg and "400,000 training tokens" in msg and "13.2 epochs" in msg
+    assert "4,505,600 tokens" in msg and "400,000 training tokens" in msg and "11.3 epochs" in msg
     for key in ("train.max_steps", "train.global_batch_size", "model.seq_len", "data.max_epochs"):
         assert key in msg
     # The limit is a setting.
@@ -65,7 +65,7 @@ def test_config_check_refuses_a_plan_that_loops_over_a_tiny_corpus(tmp_path, mon
     err = capsys.readouterr().err
     assert "2,621,440,000 tokens" in err and "about 5,000,000" in err and "524.3 epochs" in err
     assert main(["config", "check"]) == 0
-    assert "1.23 epochs" in capsys.readouterr().out  # 5,283,840 planned over about 4.3 M
+    assert "1.05 epochs" in capsys.readouterr().out  # 4,505,600 planned over about 4.3 M
 
 
 def test_data_built_for_another_config_is_not_counted(tmp_path):

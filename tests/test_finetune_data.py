@@ -84,6 +84,33 @@ def test_batch_order_is_a_pure_function_of_step_and_seed():
     assert batch_indices(10, 4, 3, seed=3) == seen[12:16] and batch_indices(10, 4, 3, seed=4) != seen[12:16]
 
 
+def test_length_grouping_pads_less_and_still_sees_every_example_once_an_epoch():
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(20, 400, (96,), generator=gen).tolist()
+
+    def padded(window: int) -> int:  # tokens of an epoch's 24 batches of 4, each padded to its longest
+        return sum(
+            4 * max(lengths[i] for i in batch_indices(96, 4, s, 7, lengths, window)) for s in range(24)
+        )
+
+    for window in (4, 16):
+        for epoch in range(2):
+            seen = [
+                i
+                for s in range(24 * epoch, 24 * epoch + 24)
+                for i in batch_indices(96, 4, s, 7, lengths, window)
+            ]
+            assert sorted(seen) == list(range(96))
+        assert padded(window) < 0.95 * padded(0)
+    # The batches keep a random place in the epoch: the first ones are not the shortest.
+    firsts = [max(lengths[i] for i in batch_indices(96, 4, s, 7, lengths, 16)) for s in range(6)]
+    assert firsts != sorted(firsts)
+    # Off (0), the order is the plain seeded shuffle whatever the lengths.
+    assert [batch_indices(96, 4, s, 7, lengths, 0) for s in range(30)] == [
+        batch_indices(96, 4, s, 7) for s in range(30)
+    ]
+
+
 def test_gradient_ignores_prompt_labels_and_matches_full_logits(folder):
     tok = HFTokenizer(folder)
     ds = build_dataset(tok, [dolly_messages(r) for r in dolly_rows(3)], 300)

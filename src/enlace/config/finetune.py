@@ -50,6 +50,9 @@ class FinetuneConfig(Strict):
     max_steps: StrictInt = Field(default=80, gt=0)
     micro_batch_size: StrictInt = Field(default=4, gt=0)
     grad_accum_steps: StrictInt = Field(default=1, gt=0)
+    # Batches of similar length: each epoch's shuffle is sorted by length in runs of this many micro-batches,
+    # whose order is then shuffled (finetune.data.epoch_order), so a batch pads less. 0: a plain shuffle.
+    length_grouping: StrictInt = Field(default=0, ge=0)
     optimizer: FinetuneOptimizer = FinetuneOptimizer()
     schedule: FinetuneSchedule = FinetuneSchedule()
     checkpoint: FinetuneCheckpoint = FinetuneCheckpoint()

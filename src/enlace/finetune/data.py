@@ -163,15 +163,38 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def batch_indices(n: int, batch: int, index: int, seed: int) -> list[int]:
-    """The index-th batch of an endless stream of seeded epochs: a pure function of (index, seed),
-    so resuming at step s needs no saved iterator state."""
+def epoch_order(
+    n: int, batch: int, epoch: int, seed: int, lengths: list[int] | None = None, window: int = 0
+) -> list[int]:
+    """One epoch's order of the n examples, seeded by (seed, epoch).
+
+    window 0: a plain shuffle. window W: the shuffle is cut into runs of W micro-batches, each run sorted by
+    length and split into micro-batches, and those micro-batches shuffled again; a batch then pads to about
+    its own examples' length instead of the longest of a random draw, and its position in the epoch stays
+    random (Hugging Face's group_by_length does the same)."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(n, generator=gen).tolist()
+    if not window or lengths is None:
+        return perm
+    run = window * batch
+    groups: list[list[int]] = []
+    for start in range(0, n, run):
+        chunk = sorted(perm[start : start + run], key=lambda i: lengths[i])  # stable: ties keep the shuffle
+        groups += [chunk[j : j + batch] for j in range(0, len(chunk), batch)]
+    return [i for g in torch.randperm(len(groups), generator=gen).tolist() for i in groups[g]]
+
+
+def batch_indices(
+    n: int, batch: int, index: int, seed: int, lengths: list[int] | None = None, window: int = 0
+) -> list[int]:
+    """The index-th batch of an endless stream of seeded epochs (`epoch_order`): a pure function of its
+    arguments, so resuming at step s needs no saved iterator state."""
     out: list[int] = []
     pos = index * batch
     while len(out) < batch:
         epoch, offset = divmod(pos, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        order = epoch_order(n, batch, epoch, seed, lengths, window)
         take = min(batch - len(out), n - offset)
-        out += perm[offset : offset + take].tolist()
+        out += order[offset : offset + take]
         pos += take
     return out

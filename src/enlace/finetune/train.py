@@ -126,7 +126,12 @@ def micro_batches(
                 [
                     data.examples[i]
                     for i in batch_indices(
-                        len(data.examples), cfg.micro_batch_size, step * accum + m, cfg.seed
+                        len(data.examples),
+                        cfg.micro_batch_size,
+                        step * accum + m,
+                        cfg.seed,
+                        data.lengths,
+                        cfg.length_grouping,
                     )
                 ],
                 pad_id,
