@@ -158,10 +158,7 @@ CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    # Long: the flat argparse declarations of four commands, in the order `enlace --help` lists them.
-    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
-    from ..config.extra import CHAT
-
+    # The flat argparse declarations of three commands, in the order `enlace --help` lists them (then chat).
     # Paths, not the importer: `enlace --help` must not import gguf and torch.
     from ..paths import GEMMA3_DIR, SMOLLM2_DIR
     from ..paths import PYPI_CACHE as DEFAULT_CACHE
@@ -220,6 +217,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--out", help="run folder (eval.json goes here)")
     p.add_argument("--val-data", dest="val_data", help="held-out JSONL")
     p.set_defaults(handler=_finetune_eval)
+
+    _register_chat(sub)
+
+
+def _register_chat(sub: argparse._SubParsersAction) -> None:
+    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+    from ..config.extra import CHAT
+    from ..paths import SMOLLM2_DIR
 
     p = sub.add_parser("chat", help="chat with a Hugging Face model folder (optionally with a LoRA adapter)")
     p.add_argument(
