@@ -26,6 +26,7 @@ from ..errors import CheckpointError, EnlaceError
 from ..generate import generate
 from ..io import atomic_write_json
 from ..load import load_model
+from ..load.run import no_checkpoint
 from ..model import Llama
 from ..runtime import check_device, setup_runtime
 from ..scoring.score import evaluate, precision, sliding_windows
@@ -45,10 +46,10 @@ class Scorer:
     meta: dict[str, Any] | None = None  # our runs: the checkpoint's meta.json
 
 
-def load_scorer(model_dir: Path, hw: Any, device: torch.device) -> Scorer:
+def load_scorer(model_dir: Path, hw: Any, device: torch.device, flag: str = "--model-dir") -> Scorer:
     """Any model enlace.load opens: our run folder (its latest checkpoint), a Hugging Face folder (e.g. the
     imported SmolLM2), a GGUF file."""
-    loaded = load_model(model_dir, device=device, flag="--model-dir")
+    loaded = load_model(model_dir, device=device, flag=flag)
     model = loaded.model
     if loaded.tokenizer is not None:
         tok = loaded.tokenizer
@@ -225,7 +226,9 @@ def run_eval(
 ) -> dict[str, Any]:
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware"))
     device = setup_runtime(cfg.hardware)
-    scorer = load_scorer(run_dir, cfg.hardware, device)
+    if not Path(run_dir).exists():
+        raise no_checkpoint(run_dir)  # the run is not trained yet: say how to train it
+    scorer = load_scorer(run_dir, cfg.hardware, device, flag="--run-dir")
     if scorer.meta is None:
         raise CheckpointError(f"{run_dir}: not one of our runs; score other models with --model-dir")
     model, ckpt, meta = scorer.model, Path(scorer.name), scorer.meta

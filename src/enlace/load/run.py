@@ -21,16 +21,21 @@ def load_trained_model(
     from ..train.checkpoint import latest_checkpoint
     from ..train.step import load_model_tensors
 
-    root = Path(run_dir) / "checkpoints"
-    found = latest_checkpoint(root, device=device)
+    found = latest_checkpoint(Path(run_dir) / "checkpoints", device=device)
     if found is None:
-        raise CheckpointError(
-            f"{root}: no complete checkpoint; run `enlace pretrain` (or `dvc repro pretrain`) first"
-        )
+        raise no_checkpoint(run_dir)
     path, tensors, meta = found
     model = Llama(ModelConfig.model_validate(meta["config"]["model"]))
     load_model_tensors(model, tensors["model"])
     return model.to(device).eval(), meta, path
+
+
+def no_checkpoint(run_dir: Path) -> CheckpointError:
+    """What to say of a run folder with nothing to load (or no folder at all, where a run is expected)."""
+    root = Path(run_dir) / "checkpoints"
+    return CheckpointError(
+        f"{root}: no complete checkpoint; run `enlace pretrain` (or `dvc repro pretrain`) first"
+    )
 
 
 def run_codec(meta: dict[str, Any], tokenizer_dir: Path = paths.TOKENIZER) -> ByteCodec | SentencePieceCodec:
