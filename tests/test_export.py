@@ -15,13 +15,13 @@ from export_helpers import ROOT, TINY, chat_rows, make_project, write_jsonl, wri
 
 from enlace.cli import main
 from enlace.config.model import ModelConfig
-from enlace.load import load_trained_model
 from enlace.export import sentencepiece_bundle, write_folder
 from enlace.generate import generate
 from enlace.hf import sp_convert
 from enlace.hf.folder import load_hf_folder, read_state
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import import_gguf
+from enlace.load import load_trained_model
 from enlace.model import Llama
 
 PROMPT = "¿Qué hora es? El niño de la casa"
