@@ -112,7 +112,7 @@ def test_gguf_file_opens_as_its_folder_does(folder, tmp_path, capsys):
     gguf = export_folder_gguf(folder, tmp_path / "base.gguf", "f32")
     loaded = load_model(gguf)
     ids = loaded.chat_template([{"role": "user", "content": PROMPT}])
-    assert loaded.ref.kind == "gguf" and "imported from GGUF" in loaded.source
+    assert loaded.ref.kind == "gguf" and "imported from GGUF" in loaded.source and loaded.name == "base"
     assert greedy(loaded.model, ids) == greedy(load_hf_folder(folder), ids)
     # Through `enlace generate` too: the file and the folder print the same continuation.
     outs = []

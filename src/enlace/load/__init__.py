@@ -108,8 +108,10 @@ class Loaded:
 
 
 def model_name(path: Path, adapter: Path | None) -> str:
-    """A model's id: the folder's name, plus the adapter's run (runs/finetune/adapter -> "+finetune")."""
-    name = Path(path).resolve().name
+    """A model's id: the folder's (or GGUF file's) name, plus the adapter's run (runs/finetune/adapter ->
+    "+finetune")."""
+    path = Path(path).resolve()
+    name = path.stem if path.suffix.lower() == ".gguf" else path.name
     if adapter is not None:
         a = Path(adapter).resolve()
         name += "+" + (a.parent.name if a.name == "adapter" else a.name)
