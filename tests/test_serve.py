@@ -74,9 +74,10 @@ def ours(project, messages, max_new):
     from enlace.finetune.chat import CHAT_SAMPLING
     from enlace.generate import decode_weights, generate
     from enlace.hf.tokenizer import StreamDecoder
-    from enlace.load import load_for_generation
+    from enlace.load import load_model
 
-    model, tok = load_for_generation(project / "base", project / "runs" / "finetune" / "adapter")
+    loaded = load_model(project / "base", project / "runs" / "finetune" / "adapter")
+    model, tok = loaded.model, loaded.tokenizer
     decode_weights(model, "auto")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     threads = torch.get_num_threads()

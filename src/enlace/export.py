@@ -20,9 +20,10 @@ from . import paths
 from .errors import EnlaceError
 from .hf import sp_convert
 from .hf.config import to_hf_config
-from .hf.folder import WEIGHTS, load_hf_folder, save_hf_folder
+from .hf.folder import WEIGHTS, save_hf_folder
 from .hf.gguf_import import LICENCE_FILES
 from .io import atomic_dir, atomic_write_json, sha256_file
+from .load import check_model_folder, load_model, load_trained_model
 from .model import Llama
 
 DEFAULT_OUT = paths.RUNS / "export" / "hf"
@@ -144,7 +145,7 @@ def write_folder(model: Llama, bundle: TokenizerBundle, out: Path) -> Path:
                 f"tokenizer has {bundle.tok.get_vocab_size(with_added_tokens=True)} tokens, the model "
                 f"{cfg.vocab_size}; not the run's tokenizer"
             )
-        reloaded = load_hf_folder(tmp)
+        reloaded = load_model(tmp, flag="export").model  # as every command will open it
         ids = torch.arange(min(cfg.seq_len, 16)).unsqueeze(0) % cfg.vocab_size
         with torch.no_grad():
             same = torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
@@ -161,8 +162,6 @@ def export_run(
     shards: Path = paths.SHARDS,
 ) -> dict[str, Any]:
     """The newest complete checkpoint of run_dir as a Hugging Face folder at out."""
-    from .eval.evaluate import load_trained_model
-
     if not Path(run_dir).is_dir():
         raise ExportError(f"--run-dir {run_dir}: no such folder")
     model, meta, ckpt = load_trained_model(Path(run_dir))
@@ -212,15 +211,13 @@ def export_merged(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
     LoRA targets are attention and MLP projections only, so a tied embedding/head pair is never touched
     (merging into a tied lm_head would silently change the input embedding too: PEFT #2018).
     """
-    from .load import check_model_folder
-    from .lora import load_adapter, merge_and_unload
+    from .lora import merge_and_unload
 
     base = check_model_folder(Path(base))
     if not Path(adapter).is_dir():
         raise ExportError(f"--adapter {adapter}: no such folder")
-    model = load_hf_folder(base)
-    load_adapter(model, Path(adapter), str(base))
-    merge_and_unload(model)
+    # Opened as every command opens a model (B A already folded in), then unwrapped into plain Linears.
+    model = merge_and_unload(load_model(base, adapter).model)
     if model.cfg.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise ExportError("merging untied the embeddings; export aborted")
     bundle = folder_bundle(base)

@@ -109,8 +109,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     )
     p.add_argument(
         "--model", default=None,
-        help="a Hugging Face folder (e.g. models/smollm2-135m-instruct), a LoRA run folder (runs/finetune) or "
-        "a pretraining run folder (runs/pretrain)",
+        help="a Hugging Face folder (e.g. models/smollm2-135m-instruct), a LoRA run folder (runs/finetune), "
+        "a pretraining run folder (runs/pretrain) or a .gguf file",
     )  # fmt: skip
     p.add_argument("--adapter", default=None, help="a LoRA adapter folder for --model (PEFT layout)")
     p.add_argument("--name", default=None, help="the model id clients use (default: from the folder names)")
