@@ -91,7 +91,7 @@ def _finetune(args: argparse.Namespace) -> int:
     cfg = resolved.cfg
     check_model_folder(Path(cfg.finetune.base_model))
     result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet, resolved=cfg)
-    print(json.dumps(result.final))
+    print(json.dumps(result.last))
     return result.exit_code
 
 
