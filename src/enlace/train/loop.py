@@ -261,6 +261,11 @@ class _Loop:
     """One run's loop, in three parts read top to bottom as nanoGPT's train.py: build and resume, the
     steps, the end."""
 
+    built: Setup  # what the task built (build)
+    state: TrainState
+    last_time: float  # when the last step record was made, and at which step: its tokens/s interval
+    last_step: int
+
     def __init__(self, task: Task, ctx: RunContext):
         self.task, self.ctx, self.cfg = task, ctx, task.settings
         self.run_dir, self.info, self.device = ctx.run_dir, ctx.info, ctx.device
@@ -274,8 +279,7 @@ class _Loop:
     def build(self) -> tuple[nn.Module, RunResult]:
         """The task's model and optimizer, resumed from what this run may continue from, wrapped for the
         steps (torch.compile, DDP)."""
-        built = self.task.setup(self.device, self.info)
-        self.built = built
+        self.built = built = self.task.setup(self.device, self.info)
         self.state = TrainState(
             built.model,
             built.optimizer,
