@@ -30,8 +30,10 @@ PROMPT = "Escribe una receta sencilla de tortilla de patatas para una cena en fa
 BUCKETS = [
     ("start-up: imports and model load", ("_find_and_load", "load_model (", "load_served (")),
     ("forward: linear layers", ("Linear.forward (", "PackedLinear", "Int8Linear")),
-    ("forward: attention (SDPA, KV cache, RoPE)", ("Attention.forward (", "apply_rope (", "rotate_half (",
-                                                   "rope_cos_sin (")),
+    (
+        "forward: attention (SDPA, KV cache, RoPE)",
+        ("Attention.forward (", "apply_rope (", "rotate_half (", "rope_cos_sin ("),
+    ),
     ("forward: RMSNorm", ("RMSNorm.forward (",)),
     ("forward: rest of the model", ("enlace/model.py",)),
     ("sampling and repetition guard", ("sample_next", "RepeatGuard", "_sample")),
@@ -45,7 +47,12 @@ BUCKETS = [
 
 
 # Innermost frames of a thread that waits (a queue, a lock, epoll) though py-spy took it for busy.
-IDLE = ("_worker (concurrent/futures/thread.py:81)", "select (selectors.py", "wait (threading.py", "get (queue.py")
+IDLE = (
+    "_worker (concurrent/futures/thread.py:81)",
+    "select (selectors.py",
+    "wait (threading.py",
+    "get (queue.py",
+)
 
 
 def bucket_of(stack: str) -> str:
@@ -73,7 +80,19 @@ def read_profile(path: Path) -> tuple[Counter, Counter]:
 
 
 def spy(cmd: list[str], out: Path) -> subprocess.Popen:
-    spy_cmd = ["py-spy", "record", "--format", "raw", "-r", str(RATE), "--threads", "-o", str(out), "--", *cmd]
+    spy_cmd = [
+        "py-spy",
+        "record",
+        "--format",
+        "raw",
+        "-r",
+        str(RATE),
+        "--threads",
+        "-o",
+        str(out),
+        "--",
+        *cmd,
+    ]
     return subprocess.Popen(spy_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -108,7 +127,9 @@ def served(folder: str, weights: str, new: int, streams: int, out: Path) -> int:
         t.start()
     for t in threads:
         t.join()
-    child = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+    child = int(
+        subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0]
+    )
     os.kill(child, signal.SIGINT)
     proc.wait(60)
     return (3 + streams) * new
@@ -148,8 +169,9 @@ def in_process(folder: str, weights: str, new: int, out: Path) -> int:
 
 def report(name: str, profile: tuple[Counter, Counter], tokens: int) -> None:
     counts, leaves = profile
-    busy = sum(n for b, n in counts.items() if not b.startswith("("))
-    print(f"\n{name}: {busy} busy samples, {tokens} tokens ({busy / RATE * 1000 / tokens:.1f} ms busy/token)")
+    busy = sum(n for b, n in counts.items() if not b.startswith(("(", "start-up")))
+    print(f"\n{name}: {busy} busy samples after start-up, {tokens} tokens "
+          f"({busy / RATE * 1000 / tokens:.1f} ms busy/token); shares of those")  # fmt: skip
     for bucket, n in counts.most_common():
         print(f"  {bucket:34s} {100 * n / busy:5.1f}%  {n / RATE * 1000 / tokens:6.2f} ms/token")
         top = sorted(((c, leaf) for (b, leaf), c in leaves.items() if b == bucket), reverse=True)[:3]
