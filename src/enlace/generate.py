@@ -145,21 +145,30 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V]. temperature 0 is greedy."""
+    """Next token ids [B] from last-position logits [B, V]. temperature 0 is greedy.
+
+    With top_k, only the k largest logits are kept, softmaxed and (for top_p) sorted: topk returns them
+    in order, so a 262k vocabulary is never sorted whole."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        values, ids = torch.topk(logits, top_k, dim=-1)  # sorted, largest first
+        return ids.gather(-1, _sample_sorted(torch.softmax(values, dim=-1), top_p, generator)).squeeze(-1)
     probs = torch.softmax(logits, dim=-1)
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    return order.gather(-1, _sample_sorted(sorted_p, top_p, generator)).squeeze(-1)
+
+
+def _sample_sorted(sorted_p: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Positions [B, 1] drawn from probabilities sorted largest first, within the top_p nucleus."""
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
         drop = sorted_p.cumsum(-1) - sorted_p > top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(sorted_p, 1, generator=generator)
 
 
 class RepeatGuard:
@@ -255,7 +264,9 @@ def generate(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stop = set(eos_ids)
     guard = RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop)
-    logits = model(torch.tensor([prompt_ids], device=device), cache=cache).logits[:, -1]
+    # The head on the last position only: a prefill needs no other logits (for a 262k vocabulary and a long
+    # prompt the rest would be most of its work).
+    logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_only=True).logits[:, -1]
     for _ in range(max_new_tokens):
         nxt = sample_next(guard.apply(logits.cpu()), temperature, top_k, top_p, gen)
         token = int(nxt.item())
