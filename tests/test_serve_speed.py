@@ -161,3 +161,109 @@ def test_the_head_runs_on_the_last_position_only_in_a_prefill(folder):
         full = served.model(ids).logits[:, -1]
         last = served.model(ids, last_only=True).logits
     assert last.shape == (1, 1, full.shape[-1]) and torch.allclose(last[:, -1], full, atol=1e-5)
+
+
+# ---- the API's optional parts: n, logprobs, stream_options.include_usage (in process, through the app) ----
+
+
+@pytest.fixture(scope="module")
+def app_client(folder):
+    from starlette.testclient import TestClient
+
+    from enlace.serve.api import create_app
+    from enlace.serve.engine import Engine
+    from enlace.serve.loader import load_served
+
+    engine = Engine(load_served(str(folder), None, default=None, weights="fp32"), slots=3, queue=2)
+    with TestClient(create_app(engine), base_url="http://127.0.0.1") as c:
+        yield c
+    engine.close()
+
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Hola"}]
+
+
+def _events(raw: str) -> list[dict]:
+    lines = [x[len("data: ") :] for x in raw.split("\n\n") if x.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [__import__("json").loads(x) for x in lines[:-1]]
+
+
+def test_n_choices_each_with_its_own_seed(app_client):
+    body = {
+        "prompt": "Había una vez",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 5,
+        "n": 3,
+        "ignore_eos": True,
+    }
+    r = app_client.post("/v1/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert (
+        r["usage"]["completion_tokens"] == 24
+        and r["usage"]["total_tokens"] == r["usage"]["prompt_tokens"] + 24
+    )
+    again = app_client.post("/v1/completions", json=body).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in r["choices"]]  # the seed decides
+    one = app_client.post("/v1/completions", json={**body, "n": 1, "seed": 6}).json()
+    assert one["choices"][0]["text"] == r["choices"][1]["text"]  # choice i is seed + i
+
+
+def test_streamed_n_with_include_usage(app_client):
+    body = {"messages": MSG, "max_tokens": 6, "n": 2, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    chunks = _events(app_client.post(CHAT, json=body).text)
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])  # null until the last chunk
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    finals = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert sorted(f["index"] for f in finals) == [0, 1]
+    plain = _events(app_client.post(CHAT, json={**body, "n": 1, "stream_options": None}).text)
+    assert all("usage" not in c for c in plain[:-1]) and plain[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_chat_logprobs_and_top_logprobs(app_client):
+    body = {"messages": MSG, "max_tokens": 5, "temperature": 0, "repetition_penalty": 1.0, "no_repeat_ngram": 0,
+            "logprobs": True, "top_logprobs": 3, "ignore_eos": True}  # fmt: skip
+    r = app_client.post(CHAT, json=body).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        tops = entry["top_logprobs"]
+        assert len(tops) == 3 and tops[0]["logprob"] >= tops[1]["logprob"] >= tops[2]["logprob"]
+        assert entry["logprob"] == pytest.approx(tops[0]["logprob"])  # greedy: the likeliest token
+        assert entry["logprob"] <= 0 and entry["bytes"] == list(entry["token"].encode())
+    streamed = _events(app_client.post(CHAT, json={**body, "stream": True}).text)
+    got = [
+        e
+        for c in streamed
+        if c["choices"] and c["choices"][0].get("logprobs")
+        for e in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in content])
+
+
+def test_completion_logprobs_in_the_older_shape(app_client):
+    body = {"prompt": "Había una vez", "max_tokens": 4, "temperature": 0, "logprobs": 2, "ignore_eos": True}
+    lp = app_client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert all(len(t) <= 2 for t in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+
+
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        (CHAT, {"messages": MSG, "n": 4}, "n"),  # more choices than slots
+        (CHAT, {"messages": MSG, "n": 17}, "n"),
+        (CHAT, {"messages": MSG, "n": 0}, "n"),
+        (CHAT, {"messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": MSG, "top_logprobs": 2}, None),  # without logprobs: true
+        ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+    ],
+)
+def test_out_of_bound_optional_parts_are_refused(app_client, path, body, param):
+    r = app_client.post(path, json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_value", r.text
+    assert param is None or r.json()["error"]["param"] == param

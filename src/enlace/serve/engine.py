@@ -56,6 +56,7 @@ class GenRequest:
     seed: int
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k likeliest rivals
 
 
 @dataclass
@@ -65,6 +66,8 @@ class Event:
     finish_reason: str | None = None  # done: "stop", "length" or "cancelled"
     usage: dict[str, Any] | None = None
     timings: dict[str, float] | None = None
+    # text: each new token's {"token", "logprob", "top": [(token, logprob), ...]} when the request asked
+    logprobs: list[dict[str, Any]] | None = None
 
 
 class StopScanner:
@@ -360,7 +363,9 @@ class Engine:
             return False
         slot.guard.push(token)
         text, hit = slot.scan.feed(slot.stream.push(token))
-        if text:
+        if r.logprobs is not None:  # an event for each token, with or without text
+            self._post(slot.job, Event("text", text, logprobs=[self._logprob(logits, token, r.logprobs)]))
+        elif text:
             self._post(slot.job, Event("text", text))
         if hit:
             slot.finish = "stop"  # the text ends before the stop string: nothing held back is sent
@@ -370,6 +375,17 @@ class Engine:
             return False
         slot.token = token
         return slot.n < slot.budget
+
+    def _logprob(self, logits: torch.Tensor, token: int, top: int) -> dict[str, Any]:
+        """The model's log-probability of `token` (before temperature and the repetition controls, as vLLM
+        and OpenAI give it) and the `top` likeliest tokens'."""
+        lp = torch.log_softmax(logits[0].float(), dim=-1)
+        text = self.served.token_text
+        rivals = torch.topk(lp, top) if top else None
+        pairs = (
+            zip(rivals.indices.tolist(), rivals.values.tolist(), strict=True) if rivals is not None else ()
+        )
+        return {"token": text(token), "logprob": float(lp[token]), "top": [(text(i), v) for i, v in pairs]}
 
     def _drop(self, slot: _Slot) -> None:
         """Take the slot out of the batch; the last active row moves into its row."""
