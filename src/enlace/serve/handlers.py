@@ -143,7 +143,9 @@ class _Chunks:
     def text_sse(self, text: str, index: int, null_usage: bool) -> str:
         key = (index, null_usage)
         if key not in self.templates:
-            before, _, after = _sse(self.text(_MARK, index), null_usage).partition(json.dumps(_MARK, ensure_ascii=False))
+            before, _, after = _sse(self.text(_MARK, index), null_usage).partition(
+                json.dumps(_MARK, ensure_ascii=False)
+            )
             self.templates[key] = (before, after)
         before, after = self.templates[key]
         return before + json.dumps(text, ensure_ascii=False) + after
