@@ -83,6 +83,21 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Int8Embedding(nn.Module):
+    """The input embedding of a tied model read from its int8 output head: one copy of the weights.
+
+    A row is the head's int8 row times its scale, in bf16 (the dtype the embedding has after decode_weights).
+    """
+
+    def __init__(self, head: Int8Linear):
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its buffers are not listed twice
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        return head.weight[idx].to(torch.bfloat16) * head.scales[idx].unsqueeze(-1)
+
+
 @torch.no_grad()
 def decode_weights(
     model: Llama,
@@ -93,8 +108,10 @@ def decode_weights(
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
     fp32 leaves it as it is. bf16 and int8 turn norms, embedding, activations and KV cache into bf16 and
-    every linear layer (the tied output head included, which gets its own copy) into a packed bf16 or an
-    int8 module: the model can no longer be trained. Off CPU, bf16 is a plain cast and int8 is refused.
+    every linear layer into a packed bf16 or an int8 module: the model can no longer be trained. A tied
+    model keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a
+    second copy, as oneDNN's blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8
+    is refused.
     flags: the CPU's instruction-set flags, as resolve_decode_weights takes them.
     """
     weights = resolve_decode_weights(weights, device, flags)
@@ -111,6 +128,8 @@ def decode_weights(
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
+    if weights == "int8" and model.cfg.tie_embeddings:
+        model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model
 
 
