@@ -91,3 +91,15 @@ def test_auto_follows_native_bf16():
     assert decode_weights(m, "auto", flags=AVX2_CPU) is m and next(m.parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match="choose from"):
         resolve_decode_weights("fp8")
+
+
+def test_a_tied_int8_model_keeps_one_copy_of_its_embedding():
+    low = decode_weights(model(), "int8")
+    assert CFG.tie_embeddings
+    held = {id(t): t for t in [*low.parameters(), *low.buffers()]}.values()
+    embed = CFG.vocab_size * CFG.d_model
+    assert sum(t.numel() for t in held if t.dim() == 2 and t.numel() == embed) == embed  # the int8 head only
+    x = torch.randint(0, CFG.vocab_size, (1, 5))
+    ref = model().model.embed_tokens(x)
+    got = low.model.embed_tokens(x).float()
+    assert (got - ref).norm() / ref.norm() < 0.02

@@ -83,6 +83,21 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Int8Embedding(nn.Module):
+    """The input embedding of a tied model read from its int8 output head: one copy of the weights.
+
+    A row is the head's int8 row times its scale, in bf16 (the dtype the embedding has after decode_weights).
+    """
+
+    def __init__(self, head: Int8Linear):
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its buffers are not listed twice
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        return head.weight[idx].to(torch.bfloat16) * head.scales[idx].unsqueeze(-1)
+
+
 @torch.no_grad()
 def decode_weights(
     model: Llama,
@@ -93,8 +108,10 @@ def decode_weights(
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
     fp32 leaves it as it is. bf16 and int8 turn norms, embedding, activations and KV cache into bf16 and
-    every linear layer (the tied output head included, which gets its own copy) into a packed bf16 or an
-    int8 module: the model can no longer be trained. Off CPU, bf16 is a plain cast and int8 is refused.
+    every linear layer into a packed bf16 or an int8 module: the model can no longer be trained. A tied
+    model keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a
+    second copy, as oneDNN's blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8
+    is refused.
     flags: the CPU's instruction-set flags, as resolve_decode_weights takes them.
     """
     weights = resolve_decode_weights(weights, device, flags)
@@ -111,6 +128,8 @@ def decode_weights(
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
+    if weights == "int8" and model.cfg.tie_embeddings:
+        model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model
 
 
@@ -145,21 +164,30 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next token ids [B] from last-position logits [B, V]. temperature 0 is greedy."""
+    """Next token ids [B] from last-position logits [B, V]. temperature 0 is greedy.
+
+    With top_k, only the k largest logits are kept, softmaxed and (for top_p) sorted: topk returns them
+    in order, so a 262k vocabulary is never sorted whole."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
     if top_k and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        values, ids = torch.topk(logits, top_k, dim=-1)  # sorted, largest first
+        return ids.gather(-1, _sample_sorted(torch.softmax(values, dim=-1), top_p, generator)).squeeze(-1)
     probs = torch.softmax(logits, dim=-1)
+    if top_p >= 1.0:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    return order.gather(-1, _sample_sorted(sorted_p, top_p, generator)).squeeze(-1)
+
+
+def _sample_sorted(sorted_p: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Positions [B, 1] drawn from probabilities sorted largest first, within the top_p nucleus."""
     if top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
         drop = sorted_p.cumsum(-1) - sorted_p > top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(sorted_p, 1, generator=generator)
 
 
 class RepeatGuard:
@@ -255,7 +283,9 @@ def generate(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stop = set(eos_ids)
     guard = RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop)
-    logits = model(torch.tensor([prompt_ids], device=device), cache=cache).logits[:, -1]
+    # The head on the last position only: a prefill needs no other logits (for a 262k vocabulary and a long
+    # prompt the rest would be most of its work).
+    logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_only=True).logits[:, -1]
     for _ in range(max_new_tokens):
         nxt = sample_next(guard.apply(logits.cpu()), temperature, top_k, top_p, gen)
         token = int(nxt.item())

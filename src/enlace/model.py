@@ -84,6 +84,38 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[2]
 
+    def row(self, i: int) -> KVCache:
+        """Row i as a cache of batch 1 (views: what it is given is written into this cache)."""
+        return KVCache([k[i : i + 1] for k in self.k], [v[i : i + 1] for v in self.v])
+
+
+@dataclass
+class SlotCache:
+    """The KV cache of independent sequences decoded together (the server's slots), one row each.
+
+    Rows 0..B-1 are the active ones; row i holds lengths[i] positions. A decode step feeds one new token
+    per active row, written at its own position; each row sees its own positions only (a mask, where the
+    rows' lengths differ). A sequence is prefilled alone through `cache.row(i)`, generate's own path.
+    """
+
+    cache: KVCache  # [slots, KV, capacity, D] per layer
+    lengths: list[int]
+    # Set by Llama.hidden_states for the step under way: the positions written, the masks (None: no mask).
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    local_mask: torch.Tensor | None = None
+
+    def prepare(self, window: int | None, device: torch.device) -> None:
+        """The step's positions and masks: [B, 1, 1, max length + 1] booleans, row i true up to its own."""
+        self.positions = torch.tensor(self.lengths, device=device)
+        span = max(self.lengths) + 1
+        j = torch.arange(span, device=device)[None, :]
+        pos = self.positions[:, None]
+        self.mask = None if min(self.lengths) == span - 1 else (j <= pos)[:, None, None, :]
+        self.local_mask = None
+        if window is not None and span > window:
+            self.local_mask = ((j <= pos) & (j > pos - window))[:, None, None, :]
+
 
 # On CPU, up to this many tokens, attention runs as two batched matmuls around a softmax rather than through
 # PyTorch's CPU flash kernel. Measured forward+backward in bf16 on this project's 2-core EPYC (median of 31):
@@ -169,6 +201,8 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
+        if isinstance(cache, SlotCache):
+            return self.o_proj(self._rows(q, k, v, cache, layer).transpose(1, 2).reshape(B, T, -1))
         dropout_p = self.dropout if self.training else 0.0
         if cache is None and uses_matmul_attention(x.device.type, self.sdpa_backend, T):
             y = matmul_attention(q, k, v, dropout_p, self.scale, self.window)
@@ -200,6 +234,20 @@ class Attention(nn.Module):
             enable_gqa=self.n_kv_head != self.n_head,
         )
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+
+    def _rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: SlotCache, layer: int):
+        """One new token per active row, each at its own position (SlotCache): written, then attended."""
+        B = q.shape[0]
+        rows = torch.arange(B, device=q.device)
+        ck, cv = slots.cache.k[layer], slots.cache.v[layer]
+        ck[rows, :, slots.positions] = k[:, :, 0]
+        cv[rows, :, slots.positions] = v[:, :, 0]
+        span = max(slots.lengths) + 1
+        mask = slots.local_mask if self.window is not None and slots.local_mask is not None else slots.mask
+        return F.scaled_dot_product_attention(
+            q, ck[:B, :, :span], cv[:B, :, :span], attn_mask=mask, scale=self.scale,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )  # fmt: skip
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -294,21 +342,26 @@ class Llama(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied weights are counted once
 
-    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | SlotCache | None = None) -> torch.Tensor:
         """The final-normed hidden states [B, T, d]: everything but the output head."""
+        if isinstance(cache, SlotCache):
+            return self._rows_hidden_states(idx, cache)
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
         if start + T > (cache.max_len if cache is not None else self.cfg.seq_len):
             raise ValueError(f"sequence of {start + T} tokens exceeds the window of {self.cfg.seq_len}")
-        positions = torch.arange(start, start + T, device=idx.device)
         x = self.model.embed_tokens(idx)
         if self.cfg.embed_scale:
             # The scale in the embedding's dtype, as Gemma's reference rounds it (25.25 for 640 in bf16).
             x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
-        rope = [rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_theta)]
-        if self.cfg.rope_local_theta is not None:
-            rope.append(rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_local_theta))
-        rope = [(cos.to(x.dtype), sin.to(x.dtype)) for cos, sin in rope]
+        if cache is not None:  # decoding: the tables are built once, not at each step
+            rope = [(cos[start : start + T], sin[start : start + T]) for cos, sin in self._rope(x)]
+        else:
+            positions = torch.arange(start, start + T, device=idx.device)
+            rope = [rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_theta)]
+            if self.cfg.rope_local_theta is not None:
+                rope.append(rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_local_theta))
+            rope = [(cos.to(x.dtype), sin.to(x.dtype)) for cos, sin in rope]
         for i, block in enumerate(self.model.layers):
             cos, sin = rope[1] if len(rope) > 1 and self.cfg.is_local(i) else rope[0]
             x = block(x, cos, sin, cache, i)
@@ -316,16 +369,54 @@ class Llama(nn.Module):
             cache.pos += T
         return self.model.norm(x)
 
+    def _rope(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin tables [seq_len, head_dim] in x's dtype and device, global then local, kept on the
+        model (not in its state dict) once made."""
+        key = (x.device, x.dtype)
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        if key not in tables:
+            positions = torch.arange(self.cfg.seq_len, device=x.device)
+            thetas = [self.cfg.rope_theta, self.cfg.rope_local_theta]
+            tables[key] = [
+                tuple(t.to(x.dtype) for t in rope_cos_sin(self.cfg.head_dim, positions, theta))
+                for theta in thetas
+                if theta is not None
+            ]
+        return tables[key]
+
+    def _rows_hidden_states(self, idx: torch.Tensor, slots: SlotCache) -> torch.Tensor:
+        """hidden_states for one new token per active row of a SlotCache, each at its own position."""
+        B, T = idx.shape
+        if T != 1 or B != len(slots.lengths):
+            raise ValueError(
+                f"a slot step takes one token per active row: got {B}x{T} for {len(slots.lengths)}"
+            )
+        if max(slots.lengths) >= slots.cache.max_len:
+            raise ValueError(f"a row of {max(slots.lengths)} positions fills the slot cache")
+        slots.prepare(self.cfg.sliding_window, idx.device)
+        x = self.model.embed_tokens(idx)
+        if self.cfg.embed_scale:
+            x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
+        # [B, 1, 1, D]: each row's own angles, broadcast over its heads.
+        pos = slots.positions
+        rope = [(cos[pos][:, None, None], sin[pos][:, None, None]) for cos, sin in self._rope(x)]
+        for i, block in enumerate(self.model.layers):
+            cos, sin = rope[1] if len(rope) > 1 and self.cfg.is_local(i) else rope[0]
+            x = block(x, cos, sin, slots, i)
+        return self.model.norm(x)
+
     def forward(
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        cache: KVCache | None = None,
+        cache: KVCache | SlotCache | None = None,
+        last_only: bool = False,
     ) -> Output:
-        """Logits without targets; with targets only the loss, since the full logits are never needed."""
+        """Logits without targets; with targets only the loss, since the full logits are never needed.
+        last_only: the logits of the last position only [B, 1, V] (a prefill needs no others)."""
         h = self.hidden_states(idx, cache)
         if targets is None:
-            return Output(self.lm_head(h))
+            return Output(self.lm_head(h[:, -1:] if last_only else h))
         loss, ce, z = fused_lm_loss(h, self.lm_head.weight, targets, self.cfg.z_loss_weight)
         return Output(None, loss, ce, z)
 

@@ -4,6 +4,7 @@ template (rendered the way transformers renders it: sandboxed, trim_blocks, lstr
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -142,18 +143,35 @@ class HFTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
 
-class StreamDecoder:
-    """Turn a stream of token ids into text pieces, holding back incomplete UTF-8 sequences."""
+class IncrementalDecoder:
+    """Token ids to text pieces, decoding only the last few ids at each step (not the whole answer again).
 
-    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool = True):
-        self.tokenizer, self.skip = tokenizer, skip_special_tokens
-        self.ids: list[int] = []
-        self.emitted = 0
+    Each step decodes a short window, from where the last emitted piece began to the end, and emits what it
+    adds to the window without the new ids: decoding a token alone would drop the space a piece like
+    "\u2581los" carries at the start of a decoded string, and the window gives it its left context. A
+    piece that ends in an incomplete UTF-8 sequence (a character split across byte tokens) is held back
+    until the rest comes. `context`: ids before the first new one (a prompt's tail), decoded, never emitted.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], context: Sequence[int] = ()):
+        self.decode = decode
+        self.ids = list(context)
+        self.start = 0  # where the decoded window begins
+        self.read = len(self.ids)  # ids before this one have been emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip)
-        if text.endswith("\ufffd"):
-            return ""  # a multi-byte character split across tokens: wait for the rest
-        piece, self.emitted = text[self.emitted :], len(text)
-        return piece
+        done = self.decode(self.ids[self.start : self.read])
+        text = self.decode(self.ids[self.start :])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""  # nothing new yet (a skipped special token), or a multi-byte character half-way
+        self.start, self.read = self.read, len(self.ids)
+        return text[len(done) :]
+
+
+class StreamDecoder(IncrementalDecoder):
+    """A Hugging Face tokenizer's stream of new token ids as text pieces."""
+
+    def __init__(self, tokenizer: HFTokenizer, skip_special_tokens: bool = True):
+        super().__init__(lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens

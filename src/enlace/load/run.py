@@ -10,8 +10,9 @@ import torch
 from .. import paths
 from ..config import ModelConfig
 from ..errors import CheckpointError
+from ..hf.tokenizer import IncrementalDecoder
 from ..model import Llama
-from ..text import ByteCodec, SentencePieceCodec, codec_for, continuation
+from ..text import ByteCodec, SentencePieceCodec, codec_for
 
 
 def load_trained_model(
@@ -42,16 +43,13 @@ def run_codec(meta: dict[str, Any], tokenizer_dir: Path = paths.TOKENIZER) -> By
     return codec_for(meta["config"]["train"]["loader"], tokenizer_dir)
 
 
-class RunStream:
+# Prompt ids a run's stream decodes before the new ones: the left context a first piece's leading space needs.
+RUN_CONTEXT = 8
+
+
+class RunStream(IncrementalDecoder):
     """Text pieces of our own runs' tokens: the codec decodes the continuation after the prompt."""
 
     def __init__(self, codec: ByteCodec | SentencePieceCodec, prompt_ids: list[int]):
-        self.codec, self.prompt, self.ids, self.emitted = codec, list(prompt_ids), [], ""
-
-    def push(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        text = continuation(self.codec, self.prompt, self.ids)
-        if text.endswith("\ufffd"):
-            return ""  # a multi-byte character split across tokens: wait for the rest
-        piece, self.emitted = text[len(self.emitted) :], text
-        return piece
+        super().__init__(codec.decode, list(prompt_ids)[-RUN_CONTEXT:])
+        self.codec = codec

@@ -58,6 +58,17 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return api_key
 
 
+def _setup_runtime(device: str) -> None:
+    """As a training run sets its runtime up: the CPU allocator keeps freed memory (each decode step frees
+    and reallocates the same activations), PyTorch's threads (one per core, used by the one compute thread
+    alone). Determinism stays off: a served answer promises no bit-exact rerun across machines."""
+    from ..config.hardware import HardwareConfig
+    from ..runtime import setup_runtime
+
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    setup_runtime(HardwareConfig(name="serve", device=kind, deterministic=False))
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -72,6 +83,7 @@ def _serve(args: argparse.Namespace) -> int:
                                ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)):  # fmt: skip
         _positive(flag, value, least)
     api_key = _api_key(args)
+    _setup_runtime(args.device)
     served = load_served(
         args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name
     )

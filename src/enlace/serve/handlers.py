@@ -9,6 +9,7 @@ queue deadline), then stream or collect the engine's events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -31,8 +32,10 @@ from .schema import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatRequest,
+    ChoiceLogprobs,
     ChunkChoice,
     Completion,
+    CompletionLogprobs,
     CompletionRequest,
     Delta,
     Health,
@@ -42,6 +45,8 @@ from .schema import (
     Sampling,
     TextChoice,
     Timings,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )  # fmt: skip
 
@@ -68,61 +73,145 @@ def _json(model: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"), status_code=status)
 
 
-def _sse(model: BaseModel) -> str:
-    return f"data: {json.dumps(model.model_dump(mode='json'), ensure_ascii=False)}\n\n"
+def _sse(model: BaseModel, null_usage: bool = False) -> str:
+    """One server-sent event; null_usage: `"usage": null` where there is none (stream_options.include_usage)."""
+    body = model.model_dump(mode="json")
+    if null_usage:
+        body.setdefault("usage", None)
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-class _ChatChunks:
+_MARK = "\ue000"  # a private-use character: where a text piece goes in a chunk's template
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def _chat_logprobs(entries: list[dict[str, Any]] | None) -> ChoiceLogprobs | None:
+    if entries is None:
+        return None
+    content = [
+        TokenLogprob(token=e["token"], logprob=e["logprob"], bytes=_bytes(e["token"]),
+                     top_logprobs=[TopLogprob(token=t, logprob=lp, bytes=_bytes(t)) for t, lp in e["top"]])
+        for e in entries
+    ]  # fmt: skip
+    return ChoiceLogprobs(content=content)
+
+
+def _text_logprobs(entries: list[dict[str, Any]] | None, offset: int = 0) -> CompletionLogprobs | None:
+    if entries is None:
+        return None
+    offsets, at = [], offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return CompletionLogprobs(tokens=[e["token"] for e in entries], token_logprobs=[e["logprob"] for e in entries],
+                              top_logprobs=[dict(e["top"]) for e in entries], text_offset=offsets)  # fmt: skip
+
+
+@dataclass
+class Choice:
+    """One choice of an answer, as collected: its text, its end, its logprob entries."""
+
+    text: str
+    done: Event
+    logprobs: list[dict[str, Any]] | None
+
+
+def _usage(choices: list[Choice]) -> Usage:
+    """The prompt once, every choice's new tokens."""
+    prompt = choices[0].done.usage["prompt_tokens"]
+    new = sum(c.done.usage["completion_tokens"] for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=new, total_tokens=prompt + new)
+
+
+class _Chunks:
+    """What both endpoints' answers share: the id, and a text chunk's template (made once: a chunk per token
+    is then one string join, not a pydantic model and its serialiser)."""
+
+    prefix = ""
+
+    def __init__(self, model: str):
+        self.base = {
+            "id": f"{self.prefix}-{secrets.token_hex(12)}",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self.templates: dict[tuple[int, bool], tuple[str, str]] = {}
+
+    def text_sse(self, text: str, index: int, null_usage: bool) -> str:
+        key = (index, null_usage)
+        if key not in self.templates:
+            before, _, after = _sse(self.text(_MARK, index), null_usage).partition(
+                json.dumps(_MARK, ensure_ascii=False)
+            )
+            self.templates[key] = (before, after)
+        before, after = self.templates[key]
+        return before + json.dumps(text, ensure_ascii=False) + after
+
+    def text(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> BaseModel:
+        raise NotImplementedError
+
+
+class _ChatChunks(_Chunks):
     """The pieces of one chat answer, whole or streamed."""
 
-    def __init__(self, model: str):
-        self.base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}
+    prefix = "chatcmpl"
 
-    def first(self) -> ChatCompletionChunk | None:
+    def first(self, index: int = 0) -> ChatCompletionChunk | None:
         return ChatCompletionChunk(
-            **self.base, choices=[ChunkChoice(delta=Delta(role="assistant", content=""))]
+            **self.base, choices=[ChunkChoice(index=index, delta=Delta(role="assistant", content=""))]
         )
 
-    def text(self, text: str) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self.base, choices=[ChunkChoice(delta=Delta(content=text))])
+    def text(
+        self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None
+    ) -> ChatCompletionChunk:
+        choice = ChunkChoice(index=index, delta=Delta(content=text), logprobs=_chat_logprobs(logprobs))
+        return ChatCompletionChunk(**self.base, choices=[choice])
 
-    def finish(self, ev: Event) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self.base, choices=[ChunkChoice(delta=Delta(), finish_reason=ev.finish_reason)],
-                                   usage=Usage(**ev.usage), timings=Timings(**ev.timings))  # fmt: skip
+    def finish(self, ev: Event, index: int, with_usage: bool) -> ChatCompletionChunk:
+        choice = ChunkChoice(index=index, delta=Delta(), finish_reason=ev.finish_reason)
+        return ChatCompletionChunk(**self.base, choices=[choice], usage=Usage(**ev.usage) if with_usage else None,
+                                   timings=Timings(**ev.timings))  # fmt: skip
 
-    def usage(self, ev: Event) -> ChatCompletionChunk:
-        return ChatCompletionChunk(**self.base, choices=[], usage=Usage(**ev.usage))
+    def usage(self, usage: Usage) -> ChatCompletionChunk:
+        return ChatCompletionChunk(**self.base, choices=[], usage=usage)
 
-    def whole(self, text: str, ev: Event) -> ChatCompletion:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=ev.finish_reason)
+    def whole(self, choices: list[Choice]) -> ChatCompletion:
+        out = [ChatChoice(index=i, message=AssistantMessage(content=c.text), logprobs=_chat_logprobs(c.logprobs),
+                          finish_reason=c.done.finish_reason) for i, c in enumerate(choices)]  # fmt: skip
         return ChatCompletion(
-            **self.base, choices=[choice], usage=Usage(**ev.usage), timings=Timings(**ev.timings)
+            **self.base, choices=out, usage=_usage(choices), timings=Timings(**choices[0].done.timings)
         )
 
 
-class _TextChunks:
+class _TextChunks(_Chunks):
     """The pieces of one /v1/completions answer, whole or streamed (one object for both, as OpenAI's)."""
 
-    def __init__(self, model: str):
-        self.base = {"id": f"cmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": model}
+    prefix = "cmpl"
 
-    def first(self) -> Completion | None:
+    def first(self, index: int = 0) -> Completion | None:
         return None  # a completion stream starts with its first text
 
-    def text(self, text: str) -> Completion:
-        return Completion(**self.base, choices=[TextChoice(text=text)])
-
-    def finish(self, ev: Event) -> Completion:
-        return Completion(**self.base, choices=[TextChoice(text="", finish_reason=ev.finish_reason)],
-                          usage=Usage(**ev.usage), timings=Timings(**ev.timings))  # fmt: skip
-
-    def usage(self, ev: Event) -> Completion:
-        return Completion(**self.base, choices=[], usage=Usage(**ev.usage))
-
-    def whole(self, text: str, ev: Event) -> Completion:
-        choice = TextChoice(text=text, finish_reason=ev.finish_reason)
+    def text(self, text: str, index: int = 0, logprobs: list[dict[str, Any]] | None = None) -> Completion:
         return Completion(
-            **self.base, choices=[choice], usage=Usage(**ev.usage), timings=Timings(**ev.timings)
+            **self.base, choices=[TextChoice(index=index, text=text, logprobs=_text_logprobs(logprobs))]
+        )
+
+    def finish(self, ev: Event, index: int, with_usage: bool) -> Completion:
+        choice = TextChoice(index=index, text="", finish_reason=ev.finish_reason)
+        return Completion(**self.base, choices=[choice], usage=Usage(**ev.usage) if with_usage else None,
+                          timings=Timings(**ev.timings))  # fmt: skip
+
+    def usage(self, usage: Usage) -> Completion:
+        return Completion(**self.base, choices=[], usage=usage)
+
+    def whole(self, choices: list[Choice]) -> Completion:
+        out = [TextChoice(index=i, text=c.text, logprobs=_text_logprobs(c.logprobs), finish_reason=c.done.finish_reason)
+               for i, c in enumerate(choices)]  # fmt: skip
+        return Completion(
+            **self.base, choices=out, usage=_usage(choices), timings=Timings(**choices[0].done.timings)
         )
 
 
@@ -130,18 +219,19 @@ Chunks = _ChatChunks | _TextChunks
 
 
 class _JobStream(StreamingResponse):
-    """A streamed answer that gives its job back even if the client left before the first byte (then the
+    """A streamed answer that gives its jobs back even if the client left before the first byte (then the
     body is never iterated, and its own cleanup never runs)."""
 
-    def __init__(self, engine: Engine, job: Job, body: AsyncIterator[str], **kw: Any):
+    def __init__(self, engine: Engine, jobs: list[Job], body: AsyncIterator[str], **kw: Any):
         super().__init__(body, **kw)
-        self.engine, self.job = engine, job
+        self.engine, self.jobs = engine, jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.engine.abandon(self.job)
+            for job in self.jobs:
+                self.engine.abandon(job)
 
 
 async def _disconnected(request: Request) -> None:
@@ -258,21 +348,41 @@ class Serving:
             temperature=pick("temperature"), top_p=pick("top_p"), top_k=pick("top_k"),
             repetition_penalty=pick("repetition_penalty"), no_repeat_ngram=pick("no_repeat_ngram"),
             seed=req.seed if req.seed is not None else secrets.randbits(32), stop=req.stops(),
-            ignore_eos=bool(req.ignore_eos),
+            ignore_eos=bool(req.ignore_eos), logprobs=req.top_logprobs_asked(),
         )  # fmt: skip
 
     async def answer(
         self, request: Request, req: Sampling, prompt_ids: list[int], param: str, chunks: Chunks
     ) -> Response:
-        job = self.admit(self.gen_request(req, prompt_ids, param))
-        await self.start(request, job)
+        n = req.n or 1
+        if n > self.engine.slots:
+            raise ApiError(400, f"n: {n} choices need as many generation slots; this server has {self.engine.slots}",
+                           param="n", code="invalid_value")  # fmt: skip
+        gen = self.gen_request(req, prompt_ids, param)
+        # Choice i samples with seed + i: the same request gives the same choices, and no two alike.
+        jobs: list[Job] = []
+        try:
+            for i in range(n):
+                jobs.append(self.admit(dataclasses.replace(gen, seed=(gen.seed + i) % 2**63)))
+            for job in jobs:
+                await self.start(request, job)
+        except BaseException:
+            for job in jobs:
+                self.engine.abandon(job)
+            raise
         if req.stream:
             include = bool(req.stream_options and req.stream_options.include_usage)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-            body = self.stream(job, chunks, include)
-            return _JobStream(self.engine, job, body, media_type="text/event-stream", headers=headers)
-        text, done = await self.collect(request, job)
-        return _json(chunks.whole(text, done))
+            body = self.stream(jobs, chunks, include)
+            return _JobStream(self.engine, jobs, body, media_type="text/event-stream", headers=headers)
+        watcher = asyncio.create_task(self.watch(request, jobs))
+        try:
+            choices = await asyncio.gather(*(self.collect(job) for job in jobs))
+        finally:
+            watcher.cancel()
+            for job in jobs:
+                self.engine.abandon(job)
+        return _json(chunks.whole(list(choices)))
 
     def admit(self, gen: GenRequest) -> Job:
         try:
@@ -301,40 +411,61 @@ class Serving:
             raise ApiError(503, f"server busy: {e}; retry later", code="queue_timeout", kind="server_busy",
                            headers={"Retry-After": "5"}) from None  # fmt: skip
 
-    async def collect(self, request: Request, job: Job) -> tuple[str, Event]:
-        watcher = asyncio.create_task(self.watch(request, job))
+    async def collect(self, job: Job) -> Choice:
         parts: list[str] = []
-        try:
-            async for ev in self.engine.events(job):
-                if ev.kind == "text":
-                    parts.append(ev.text)
-                elif ev.kind == "error":
-                    raise ApiError(500, ev.text, kind="server_error")
-                else:
-                    return "".join(parts), ev
-        finally:
-            watcher.cancel()
-            self.engine.abandon(job)
+        logprobs: list[dict[str, Any]] | None = [] if job.req.logprobs is not None else None
+        async for ev in self.engine.events(job):
+            if ev.kind == "text":
+                parts.append(ev.text)
+                if logprobs is not None and ev.logprobs:
+                    logprobs.extend(ev.logprobs)
+            elif ev.kind == "error":
+                raise ApiError(500, ev.text, kind="server_error")
+            else:
+                return Choice("".join(parts), ev, logprobs)
         raise ClientGone()
 
     @staticmethod
-    async def watch(request: Request, job: Job) -> None:
+    async def watch(request: Request, jobs: list[Job]) -> None:
         await _disconnected(request)
-        job.cancel.set()
+        for job in jobs:
+            job.cancel.set()
 
-    async def stream(self, job: Job, chunks: Chunks, include_usage: bool) -> AsyncIterator[str]:
-        """Server-sent events: OpenAI's chunks, then [DONE]."""
-        first = chunks.first()
-        if first is not None:
-            yield _sse(first)
-        async for ev in self.engine.events(job):
-            if ev.kind == "text":
-                yield _sse(chunks.text(ev.text))
-            elif ev.kind == "error":
-                yield f"data: {json.dumps(ApiError(500, ev.text, kind='server_error').body())}\n\n"
-                break
+    async def stream(self, jobs: list[Job], chunks: Chunks, include_usage: bool) -> AsyncIterator[str]:
+        """Server-sent events: OpenAI's chunks (each choice's with its index), then [DONE]. With
+        include_usage every chunk has `"usage": null` and a last one, without choices, the usage."""
+        merged: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+
+        async def pump(i: int, job: Job) -> None:
+            async for ev in self.engine.events(job):
+                merged.put_nowait((i, ev))
+
+        pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            for i in range(len(jobs)):
+                first = chunks.first(i)
+                if first is not None:
+                    yield _sse(first, include_usage)
+            ended: list[Choice] = []
+            while len(ended) < len(jobs):
+                i, ev = await merged.get()
+                if ev.kind == "text":
+                    if ev.logprobs is None:
+                        yield chunks.text_sse(ev.text, i, include_usage)
+                    else:
+                        yield _sse(chunks.text(ev.text, i, ev.logprobs), include_usage)
+                elif ev.kind == "error":
+                    yield f"data: {json.dumps(ApiError(500, ev.text, kind='server_error').body())}\n\n"
+                    break
+                else:
+                    ended.append(Choice("", ev, None))
+                    yield _sse(
+                        chunks.finish(ev, i, with_usage=not include_usage and len(jobs) == 1), include_usage
+                    )
             else:
-                yield _sse(chunks.finish(ev))
                 if include_usage:
-                    yield _sse(chunks.usage(ev))
-        yield "data: [DONE]\n\n"
+                    yield _sse(chunks.usage(_usage(ended)))
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()

@@ -33,6 +33,7 @@ class Served:
     device: str = "cpu"
     info: dict = field(default_factory=dict)
     generation: GenerationConfig | None = None  # the model's sampling defaults (enlace.load)
+    token_text: Callable[[int], str] = str  # one token id's own text (logprobs name tokens by it)
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, name: str) -> Served:
@@ -40,7 +41,16 @@ class Served:
             name=name, source=loaded.source, model=loaded.model, context=loaded.context,
             eos_ids=loaded.eos_ids, encode_text=loaded.encode, encode_chat=loaded.chat_template,
             stream=loaded.stream, weights=loaded.weights, device=loaded.device, generation=loaded.generation,
+            token_text=_token_text(loaded),
         )  # fmt: skip
+
+
+def _token_text(loaded: Loaded) -> Callable[[int], str]:
+    if loaded.tokenizer is not None:
+        tok = loaded.tokenizer
+        return lambda i: tok.decode([i], skip_special_tokens=False)
+    codec = loaded.codec
+    return lambda i: codec.decode([i])
 
 
 def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[Path, Path]]) -> tuple:

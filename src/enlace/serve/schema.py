@@ -4,8 +4,9 @@ Requests: a wrong type is refused, not coerced, and every field has its bound (t
 characters, each string), so nothing a client sends costs more than the server chose to spend on it. A field
 ENLACE does not know is refused, named (code `unsupported_parameter`), never silently ignored; so is a known
 field whose value would ask for something else than what is done (a non-empty `logit_bias`, a
-`response_format` other than text, tools, n > 1, logprobs, non-zero OpenAI penalties). Sending such a field
-empty or as null is fine. Beyond OpenAI's fields, ENLACE takes the sampling settings of `enlace chat`:
+`response_format` other than text, tools, non-zero OpenAI penalties). Sending such a field empty or as null
+is fine. `n` (up to MAX_N, and the server's slots), `logprobs` and `top_logprobs` (up to MAX_TOP_LOGPROBS;
+a completion's `logprobs` up to MAX_COMPLETION_LOGPROBS, as OpenAI bounds them) are served. Beyond OpenAI's fields, ENLACE takes the sampling settings of `enlace chat`:
 top_k, repetition_penalty, no_repeat_ngram, and ignore_eos (as llama.cpp, vLLM).
 
 Responses: the models below are what the handlers send and what /openapi.json describes.
@@ -29,6 +30,9 @@ MAX_PARTS = 256  # text parts of one message's content
 MAX_PROMPT_IDS = 65_536  # token ids of a /v1/completions prompt
 MAX_NAME_CHARS = 256  # model, user
 MAX_INT = 2**31 - 1  # counts and ids beyond this are never meaningful
+MAX_N = 16  # choices of one request (each takes a slot, so the server's --slots bounds it too)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI bounds it
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI bounds it
 
 
 def _only(allowed: Callable[[Any], bool], what: str) -> AfterValidator:
@@ -94,10 +98,9 @@ class Sampling(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
-    n: Annotated[int, Field(ge=1, le=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     presence_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0, le=0)] | None = None
-    logprobs: Literal[False] | None = None
     logit_bias: Annotated[dict[str, float], _only(lambda v: not v, "{}")] | None = None
     user: Name | None = None
 
@@ -106,11 +109,16 @@ class Sampling(_Strict):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def top_logprobs_asked(self) -> int | None:
+        """None: no logprobs; k: each token's and its k likeliest rivals'."""
+        return None
+
 
 class ChatRequest(Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Count | None = None  # OpenAI's newer name for max_tokens
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     tools: Annotated[list[Any], Field(max_length=0)] | None = None
     tool_choice: Annotated[str, Field(max_length=16), _only(lambda v: v == "none", '"none"')] | None = None
     response_format: (
@@ -130,7 +138,12 @@ class ChatRequest(Sampling):
             if self.max_tokens is not None and self.max_tokens != self.max_completion_tokens:
                 raise ValueError("max_tokens and max_completion_tokens differ; send one of them")
             self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(Sampling):
@@ -145,6 +158,10 @@ class CompletionRequest(Sampling):
     echo: Literal[False] | None = None
     suffix: None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def prompt_value(self) -> str | list[int]:
         p = self.prompt
@@ -212,10 +229,36 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """Chat's logprobs: one entry per generated token (the model's, before temperature and the repetition
+    controls)."""
+
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """/v1/completions' logprobs, in OpenAI's older shape."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -238,7 +281,7 @@ class Delta(BaseModel):
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReason = None
 
 
@@ -250,7 +293,7 @@ class ChatCompletionChunk(_Reply):
 class TextChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
 
 
