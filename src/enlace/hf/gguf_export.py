@@ -20,6 +20,7 @@ import torch
 
 from ..errors import EnlaceError
 from ..io import fsync_file
+from ..manifest import recorded_provenance, sidecar, verify_manifest, write_file_manifest
 from ..model import Llama
 from . import gguf_gemma, sp_convert
 from .state_dict_adapter import gguf_arch, to_gguf
@@ -98,8 +99,10 @@ def write_gguf(
     chat_template: str | None = None,
     ftype: str = "f16",
     name: str = "enlace",
+    provenance: dict[str, Any] | None = None,
 ) -> Path:
-    """Write path atomically (a temporary file renamed into place once complete)."""
+    """Write path atomically (a temporary file renamed into place once complete), then its sidecar
+    manifest (`path.manifest.json`, with `provenance`)."""
     import gguf
 
     if ftype not in FILE_TYPES:
@@ -180,11 +183,13 @@ def write_gguf(
         w.write_tensors_to_file()
         w.close()
         fsync_file(tmp)
+        sidecar(path).unlink(missing_ok=True)  # the old file's manifest must not vouch for the new file
         os.replace(tmp, path)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
         raise
+    write_file_manifest(path, "gguf", {"ftype": ftype, "architecture": arch, **(provenance or {})})
     return path
 
 
@@ -193,6 +198,9 @@ def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llam
     from .folder import load_hf_folder, read_config
 
     folder = Path(folder)
+    verify_manifest(
+        folder, ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"]
+    )
     model = model if model is not None else load_hf_folder(folder)
     tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     if gguf_arch(model.cfg) == "gemma3":
@@ -226,6 +234,19 @@ def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llam
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.exists() else {}
     template = tc.get("chat_template")
+    recorded = recorded_provenance(folder)
+    source = {
+        "source_folder": str(folder),
+        "source_fingerprint": recorded.get("fingerprint"),
+        "config_hash": recorded.get("config_hash"),
+    }
     return write_gguf(
-        model, path, vocab, special, template if isinstance(template, str) else None, ftype, folder.name
+        model,
+        path,
+        vocab,
+        special,
+        template if isinstance(template, str) else None,
+        ftype,
+        folder.name,
+        source,
     )
