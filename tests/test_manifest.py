@@ -67,9 +67,10 @@ def test_adapter_folder_is_written_whole_with_its_manifest(base, tmp_path):
     doc = json.loads((ad / MANIFEST).read_text())
     assert sorted(doc["files"]) == ["adapter_config.json", ADAPTER_WEIGHTS]
     assert doc["kind"] == "lora-adapter" and doc["provenance"]["config_hash"] == "0123456789abcdef"
-    assert doc["provenance"]["base_fingerprint"] == json.loads((base / MANIFEST).read_text())["provenance"][
-        "fingerprint"
-    ]
+    assert (
+        doc["provenance"]["base_fingerprint"]
+        == json.loads((base / MANIFEST).read_text())["provenance"]["fingerprint"]
+    )
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
@@ -97,7 +98,9 @@ def test_corrupt_adapter_is_refused_by_export_chat_and_serve(base, tmp_path, cap
 
 def test_non_finite_adapter_is_refused_naming_the_tensor(base, tmp_path):
     ad = adapter(base, tmp_path / "ad", fill=float("nan"))
-    with pytest.raises(AdapterError, match=r"tensor .*layers\.1\.self_attn\.v_proj\.lora_B\.weight has non-finite"):
+    with pytest.raises(
+        AdapterError, match=r"tensor .*layers\.1\.self_attn\.v_proj\.lora_B\.weight has non-finite"
+    ):
         load_adapter(load_hf_folder(base), ad, str(base))
 
 
