@@ -58,6 +58,8 @@ def test_resume_is_exact(setup, tmp_path):
     wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
+    ma, mb = (json.loads((tmp_path / x / "adapter" / "manifest.json").read_text()) for x in "ab")
+    assert ma["files"] == mb["files"] and ma["kind"] == "lora-adapter" and ma["provenance"]["config_hash"]
     la = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     lb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     strip = [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in la]
