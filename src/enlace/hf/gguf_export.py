@@ -99,10 +99,8 @@ def write_gguf(
     chat_template: str | None = None,
     ftype: str = "f16",
     name: str = "enlace",
-    provenance: dict[str, Any] | None = None,
 ) -> Path:
-    """Write path atomically (a temporary file renamed into place once complete), then its sidecar
-    manifest (`path.manifest.json`, with `provenance`)."""
+    """Write path atomically (a temporary file renamed into place once complete)."""
     import gguf
 
     if ftype not in FILE_TYPES:
@@ -183,24 +181,32 @@ def write_gguf(
         w.write_tensors_to_file()
         w.close()
         fsync_file(tmp)
-        sidecar(path).unlink(missing_ok=True)  # the old file's manifest must not vouch for the new file
         os.replace(tmp, path)
     except BaseException:
         w.close()
         tmp.unlink(missing_ok=True)
         raise
-    write_file_manifest(path, "gguf", {"ftype": ftype, "architecture": arch, **(provenance or {})})
     return path
 
 
 def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llama | None = None) -> Path:
-    """A Hugging Face folder written by `enlace export` (or any byte-level-BPE Llama folder) as GGUF."""
-    from .folder import load_hf_folder, read_config
-
+    """A Hugging Face folder written by `enlace export` (or any byte-level-BPE Llama folder) as GGUF, with
+    its sidecar manifest (`<path>.manifest.json`: the type and the folder it came from)."""
     folder = Path(folder)
     verify_manifest(
         folder, ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"]
     )
+    sidecar(path).unlink(missing_ok=True)  # the old file's manifest must not vouch for the new file
+    path = _folder_gguf(folder, path, ftype, model)
+    recorded = recorded_provenance(folder)
+    source = {"ftype": ftype, "source_folder": str(folder), "source_fingerprint": recorded.get("fingerprint")}
+    write_file_manifest(path, "gguf", {**source, "config_hash": recorded.get("config_hash")})
+    return path
+
+
+def _folder_gguf(folder: Path, path: Path, ftype: str, model: Llama | None) -> Path:
+    from .folder import load_hf_folder, read_config
+
     model = model if model is not None else load_hf_folder(folder)
     tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     if gguf_arch(model.cfg) == "gemma3":
@@ -234,19 +240,6 @@ def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llam
     tc_path = folder / "tokenizer_config.json"
     tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.exists() else {}
     template = tc.get("chat_template")
-    recorded = recorded_provenance(folder)
-    source = {
-        "source_folder": str(folder),
-        "source_fingerprint": recorded.get("fingerprint"),
-        "config_hash": recorded.get("config_hash"),
-    }
     return write_gguf(
-        model,
-        path,
-        vocab,
-        special,
-        template if isinstance(template, str) else None,
-        ftype,
-        folder.name,
-        source,
+        model, path, vocab, special, template if isinstance(template, str) else None, ftype, folder.name
     )
