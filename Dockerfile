@@ -7,7 +7,8 @@
 # `base` CUDA images suffice. Base images are pinned by tag and digest, equal to docker/images.lock.
 #
 # The image holds the environment only. The repository is mounted at run time (-v "$PWD":/work -w /work),
-# so .git, the DVC cache and checkpoints stay on the host; containers run as the host user.
+# so .git, the DVC cache and checkpoints stay on the host; containers run as the host user (--user; without it
+# an unprivileged user of the image, never root).
 #
 # Needs BuildKit (Docker 23+ uses it by default; DOCKER_BUILDKIT=1 on 20.10): the install step reads docker/
 # through a bind mount and an optional CA bundle through a secret, so neither lands in a layer. No `syntax`
@@ -34,6 +35,11 @@ RUN --mount=type=bind,source=docker,target=/tmp/env --mount=type=secret,id=ca_bu
 ENV PATH=/opt/venv/bin:$PATH DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 HOME=/tmp/home \
     PYTHONPATH=/work/src ENLACE_IMAGE=cpu
 WORKDIR /work
+# Not root by default: a plain `docker run` runs as this unprivileged user. The make targets and
+# docker/test.sh pass --user with the host's ids instead, so files written to the mounted repository stay
+# the host user's.
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp/home --shell /bin/bash enlace
+USER 10001:10001
 # tini -g forwards signals to the whole process group: stopping the container stops dvc *and* the trainer.
 ENTRYPOINT ["tini", "-g", "--"]
 CMD ["bash"]
@@ -48,6 +54,8 @@ RUN --mount=type=bind,source=docker,target=/tmp/env --mount=type=secret,id=ca_bu
 ENV PATH=/opt/venv/bin:$PATH DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 HOME=/tmp/home \
     PYTHONPATH=/work/src ENLACE_IMAGE=turing
 WORKDIR /work
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp/home --shell /bin/bash enlace
+USER 10001:10001
 ENTRYPOINT ["tini", "-g", "--"]
 CMD ["bash"]
 
@@ -64,5 +72,7 @@ RUN --mount=type=bind,source=docker,target=/tmp/env --mount=type=secret,id=ca_bu
 ENV PATH=/opt/venv/bin:$PATH DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 HOME=/tmp/home \
     PYTHONPATH=/work/src ENLACE_IMAGE=blackwell
 WORKDIR /work
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp/home --shell /bin/bash enlace
+USER 10001:10001
 ENTRYPOINT ["tini", "-g", "--"]
 CMD ["bash"]

@@ -14,6 +14,10 @@ greedy, no early stop: ENLACE's ignore_eos, llama.cpp's logit_bias on the eos id
   request cuts the running one short);
 - resident memory: the server process's peak (VmHWM) after all of it.
 
+Both servers of a pair run side by side and take turns request by request, the order flipping every round,
+so a machine whose speed drifts over minutes (a shared VM's can halve and recover) slows both alike. Both
+run with OpenMP's default wait policy and OMP_NUM_THREADS=2, as a user would start them.
+
 Every prompt starts with a request number, so neither server can reuse a cached prefix (llama-cpp-python
 keeps the last prompt's KV cache and reuses a common prefix; `enlace serve` has no prompt cache).
 Ratios are ENLACE over llama.cpp for rates, llama.cpp over ENLACE for times and memory (> 1: ENLACE better).
@@ -119,34 +123,61 @@ class Server:
         self.proc.wait(timeout=60)
 
 
-def measure(server: Server, long_prompt: str, rounds: int, counter: list[int]) -> dict[str, float]:
+def decode_rate(server: Server, prompt: str) -> float:
+    t = server.stream(prompt, NEW)
+    # Exactly NEW tokens (no early stop); a text chunk may hold back a partial character, so the rate is
+    # tokens after the first over the time from the first chunk to the last.
+    assert len(t) - 1 >= NEW // 2, f"{len(t) - 1} text chunks for {NEW} tokens: did it stop early?"
+    return (NEW - 1) / (t[-1] - t[1])
+
+
+def first_token_s(server: Server, prompt: str) -> float:
+    t = server.stream(prompt, 2)
+    return t[1] - t[0]
+
+
+def streams_rate(server: Server, prompts: list[str]) -> float:
+    results: list[list[float]] = []
+    threads = [threading.Thread(target=lambda p=p: results.append(server.stream(p, NEW))) for p in prompts]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    assert all(len(r) - 1 >= NEW // 2 for r in results), [len(r) - 1 for r in results]  # none cut short
+    return len(prompts) * NEW / wall
+
+
+def measure_pair(servers: dict[str, Server], long_prompt: str, rounds: int, counter: list[int]):
+    """Medians per server of each figure, the two servers taking turns request by request.
+
+    The servers run side by side (only one is ever busy), and the order flips every round (A B, then B A):
+    a machine whose speed drifts over minutes, as a shared VM's does, slows both alike instead of
+    whichever happened to run second.
+    """
+
     def numbered(text: str) -> str:
         counter[0] += 1
         return f"Petición {counter[0]}. {text}"
 
-    decode, ttft, total = [], [], []
-    for _ in range(rounds):
-        t = server.stream(numbered(SHORT), NEW)
-        # Exactly NEW tokens (no early stop); a text chunk may hold back a partial character, so the
-        # rate is tokens after the first over the time from the first chunk to the last.
-        assert len(t) - 1 >= NEW // 2, f"{len(t) - 1} text chunks for {NEW} tokens: did it stop early?"
-        decode.append((NEW - 1) / (t[-1] - t[1]))
-        t = server.stream(numbered(long_prompt), 2)
-        ttft.append(t[1] - t[0])
-        results: list[list[float]] = []
-        prompts = [numbered(SHORT) for _ in range(STREAMS)]
-        threads = [threading.Thread(target=lambda p=p, out=results: out.append(server.stream(p, NEW)))
-                   for p in prompts]  # fmt: skip
-        t0 = time.perf_counter()
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        wall = time.perf_counter() - t0
-        assert all(len(r) - 1 >= NEW // 2 for r in results), [len(r) - 1 for r in results]  # none cut short
-        total.append(STREAMS * NEW / wall)
-    return {"decode_tokens_per_s": statistics.median(decode), "ttft_s": statistics.median(ttft),
-            "total_tokens_per_s": statistics.median(total), "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
+    samples = {who: {"decode": [], "ttft": [], "total": []} for who in servers}
+    for r in range(rounds):
+        order = list(servers.items())
+        for key in ("decode", "ttft", "total"):
+            for who, server in order if r % 2 == 0 else order[::-1]:
+                if key == "decode":
+                    samples[who][key].append(decode_rate(server, numbered(SHORT)))
+                elif key == "ttft":
+                    samples[who][key].append(first_token_s(server, numbered(long_prompt)))
+                else:
+                    samples[who][key].append(streams_rate(server, [numbered(SHORT) for _ in range(STREAMS)]))
+    return {
+        who: {"decode_tokens_per_s": statistics.median(s["decode"]), "ttft_s": statistics.median(s["ttft"]),
+              "total_tokens_per_s": statistics.median(s["total"]),
+              "peak_rss_mib": servers[who].peak_rss_mib(), "decode_samples": s["decode"]}
+        for who, s in samples.items()
+    }  # fmt: skip
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -170,24 +201,30 @@ def stop_bias(tok: HFTokenizer) -> dict[str, float]:
     return {str(i): -1e9 for i in dict.fromkeys(ids) if i is not None}
 
 
-def serve_enlace(folder: Path, weights: str, long_prompt: str, rounds: int, counter: list[int], env: dict):
+def start_enlace(folder: Path, weights: str, env: dict) -> Server:
     port = free_port()
-    ours = Server(
+    return Server(
         [sys.executable, "-m", "enlace.cli", "serve", "--model", str(folder), "--weights", weights,
          "--port", str(port), "--slots", str(STREAMS), "--max-tokens", str(NEW)],
         port, {"ignore_eos": True}, env,
     )  # fmt: skip
-    try:
-        return measure(ours, long_prompt, rounds, counter)
-    finally:
-        ours.stop()
+
+
+def start_llama_cpp(py: str, gguf: Path, tok: HFTokenizer, env: dict) -> Server:
+    port = free_port()
+    return Server(
+        [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
+         "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--interrupt_requests", "False",
+         "--host", "127.0.0.1", "--port", str(port)],
+        port, {"logit_bias": stop_bias(tok)}, env,
+    )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv if argv is not None else sys.argv[1:])
     rounds, pairs = args.rounds, args.pairs.split(",")
     py = llama_python()
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
     results: dict[str, dict[str, dict[str, float]]] = {}
     counter = [0]
     with tempfile.TemporaryDirectory(prefix="enlace-serve-gguf-") as tmp:
@@ -216,33 +253,26 @@ def main(argv: list[str] | None = None) -> int:
                     check=True,
                     capture_output=True,
                 )
-            if f"enlace {weights}" not in results:  # int8 meets two llama.cpp files; measured once
-                results[f"enlace {weights}"] = serve_enlace(
-                    folder, weights, long_prompt, rounds, counter, env
-                )
-            port = free_port()
-            peer = Server(
-                [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
-                 "--n_threads_batch", str(THREADS), "--n_ctx", "1024", "--interrupt_requests", "False", "--host", "127.0.0.1", "--port", str(port)],
-                port, {"logit_bias": stop_bias(tok)}, env,
-            )  # fmt: skip
-            try:
-                results[f"llama.cpp {kind}"] = measure(peer, long_prompt, rounds, counter)
+            servers = {}
+            try:  # both up before the first request, so neither one's start-up lands in the other's figures
+                servers[f"enlace {weights}"] = start_enlace(folder, weights, env)
+                servers[f"llama.cpp {kind}"] = start_llama_cpp(py, gguf, tok, env)
+                results[pair] = measure_pair(servers, long_prompt, rounds, counter)
             finally:
-                peer.stop()
-            print(f"{weights} vs {kind}: enlace {results[f'enlace {weights}']}, llama.cpp {results[f'llama.cpp {kind}']}",
-                  flush=True)  # fmt: skip
+                for server in servers.values():
+                    server.stop()
+            print(f"{pair}: {results[pair]}", flush=True)
     cpu = cpu_model()
     print(f"\nCPU: {cpu}; {THREADS} threads each; torch {torch.__version__}; {name}")
     head = f"{'server':<16} {'decode tok/s':>12} {'TTFT 500 (s)':>12} {'4 streams tok/s':>15} {'peak RSS MiB':>12}"
     print(head)
-    for who, r in results.items():
+    for who, r in ((who, r) for pair in results.values() for who, r in pair.items()):
         print(f"{who:<16} {r['decode_tokens_per_s']:>12.1f} {r['ttft_s']:>12.3f} {r['total_tokens_per_s']:>15.1f} "
               f"{r['peak_rss_mib']:>12.0f}")  # fmt: skip
     rows, ratios = [], {}
     for pair in pairs:
         weights, kind = PAIRS[pair]
-        a, b = results[f"enlace {weights}"], results[f"llama.cpp {kind}"]
+        a, b = results[pair][f"enlace {weights}"], results[pair][f"llama.cpp {kind}"]
         ratios[pair] = {
             "decode": a["decode_tokens_per_s"] / b["decode_tokens_per_s"],
             "ttft": b["ttft_s"] / a["ttft_s"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -71,19 +72,35 @@ class Server:
             conn.close()
 
     def health(self) -> dict[str, Any]:
-        status, _, body = self.request("GET", "/health", auth=False, timeout=10)
+        """/health's details (they need the key, when the server has one)."""
+        status, _, body = self.request("GET", "/health", timeout=10)
         assert status == 200, body
         return json.loads(body)
 
-    def open_stream(
-        self, path: str, body: dict
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        """A streaming request left open: read events with next_event(), hang up with conn.close()."""
+    def raw(self, data: bytes, timeout: float = 30) -> tuple[int, bytes]:
+        """Send bytes as they are (a request no client library would make); the status and the whole answer."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            answer = b""
+            while chunk := s.recv(65536):
+                answer += chunk
+        return int(answer.split(b" ", 2)[1]), answer
+
+    def send_stream(self, path: str, body: dict) -> http.client.HTTPConnection:
+        """A streaming request sent, its answer not awaited (it begins once the request has a slot)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         h = {"Content-Type": "application/json"}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
         conn.request("POST", path, body=json.dumps({**body, "stream": True}).encode(), headers=h)
+        return conn
+
+    def open_stream(
+        self, path: str, body: dict
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """A streaming request left open: read events with next_event(), hang up with conn.close()."""
+        conn = self.send_stream(path, body)
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
         return conn, resp

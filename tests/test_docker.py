@@ -217,6 +217,14 @@ def test_runtime_setup() -> None:
         assert "DVC_NO_ANALYTICS=1" in text and "HOME=" in text, name
 
 
+def test_images_do_not_run_as_root() -> None:
+    # A plain `docker run` without --user gets an unprivileged user, never root.
+    for name, text in stages().items():
+        users = re.findall(r"^USER (\S+)$", text, flags=re.M)
+        assert users, f"target {name}: no USER line (it would run as root)"
+        assert users[-1].split(":")[0] not in ("root", "0"), (name, users)
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 @pytest.mark.parametrize("target", sorted(TARGETS))
 def test_make_targets_expand(target: str) -> None:

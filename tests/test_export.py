@@ -15,13 +15,13 @@ from export_helpers import ROOT, TINY, chat_rows, make_project, write_jsonl, wri
 
 from enlace.cli import main
 from enlace.config.model import ModelConfig
-from enlace.eval.evaluate import load_trained_model
 from enlace.export import sentencepiece_bundle, write_folder
 from enlace.generate import generate
 from enlace.hf import sp_convert
 from enlace.hf.folder import load_hf_folder, read_state, write_model_manifest
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import import_gguf
+from enlace.load import load_trained_model
 from enlace.model import Llama
 
 PROMPT = "¿Qué hora es? El niño de la casa"
@@ -249,9 +249,9 @@ def test_finetune_on_export_then_peft_and_merged_export(in_project, tmp_path, ca
     base = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     emb = base.model.embed_tokens.weight.detach().clone()
     peft = PeftModel.from_pretrained(base, adapter).eval()
-    from enlace.load import load_for_generation
+    from enlace.load import load_model
 
-    mine, _ = load_for_generation(folder, adapter)
+    mine = load_model(folder, adapter).model
     with torch.no_grad():
         ref = peft(ids).logits
         assert (mine(ids).logits - ref).abs().max() < 1e-4

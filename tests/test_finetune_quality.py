@@ -18,7 +18,7 @@ from enlace.finetune.chat import CHAT_SAMPLING, chat_repl
 from enlace.finetune.data import read_conversations
 from enlace.finetune.evaluate import answer_checks, distinct_2, is_spanish, loops
 from enlace.generate import RepeatGuard, generate
-from enlace.load import load_for_generation
+from enlace.load import load_model
 from enlace.model import Llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,8 @@ def chat_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_model(chat_folder):
-    return load_for_generation(chat_folder)
+    loaded = load_model(chat_folder)
+    return loaded.model, loaded.tokenizer
 
 
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])

@@ -18,7 +18,7 @@ from enlace.config.hardware import HardwareConfig
 from enlace.finetune.chat import chat_repl
 from enlace.finetune.evaluate import finetune_eval
 from enlace.finetune.train import finetune
-from enlace.load import load_for_generation
+from enlace.load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 HW = HardwareConfig(name="cpu", device="cpu")
@@ -159,7 +159,8 @@ def test_cli_flags_map_onto_finetune_config():
 
 def test_chat_streams_replies_until_exit(setup):
     folder, _, _ = setup
-    model, tok = load_for_generation(folder)
+    loaded = load_model(folder)
+    model, tok = loaded.model, loaded.tokenizer
     out = io.StringIO()
     msgs = chat_repl(
         model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5,

@@ -19,9 +19,9 @@ from export_helpers import make_project
 from llamacpp_helpers import check_round_trip, llama_python, random_adapter, run_llama_cpp
 
 from enlace.cli import main
-from enlace.eval.evaluate import load_trained_model
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.load import load_trained_model
 from enlace.scoring.token_bytes import TokenBytes
 
 # The first test on a machine without the cached build builds llama.cpp (minutes on 2 busy cores; `make test`

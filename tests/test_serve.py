@@ -62,8 +62,10 @@ def client(server):
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == ["base+finetune"]
-    h = server.health()  # no key needed for health
+    h = server.health()
     assert h["status"] == "ok" and h["model"] == "base+finetune" and h["slots"] == 1 and h["queue"] == 1
+    status, _, body = server.request("GET", "/health", auth=False)  # without the key: whether it serves
+    assert status == 200 and json.loads(body) == {"status": "ok"}
     assert "serving base+finetune" in server.log_text() and "with the LoRA adapter" in server.log_text()
 
 
@@ -72,9 +74,10 @@ def ours(project, messages, max_new):
     from enlace.finetune.chat import CHAT_SAMPLING
     from enlace.generate import decode_weights, generate
     from enlace.hf.tokenizer import StreamDecoder
-    from enlace.load import load_for_generation
+    from enlace.load import load_model
 
-    model, tok = load_for_generation(project / "base", project / "runs" / "finetune" / "adapter")
+    loaded = load_model(project / "base", project / "runs" / "finetune" / "adapter")
+    model, tok = loaded.model, loaded.tokenizer
     decode_weights(model, "auto")
     ids = tok.apply_chat_template(messages, add_generation_prompt=True)
     threads = torch.get_num_threads()
@@ -191,7 +194,7 @@ BAD = [
 
 @pytest.mark.parametrize("what,path,body,status,param,code", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_a_4xx_with_an_openai_error(server, what, path, body, status, param, code):
-    got, headers, raw = server.request("POST", path, body=body)
+    got, headers, raw = server.request("POST", path, body=body, headers={"Content-Type": "application/json"})
     assert got == status, raw
     assert headers["content-type"] == "application/json"
     err = json.loads(raw)["error"]
@@ -237,7 +240,7 @@ def test_full_queue_answers_429_at_once(server, client):
     long = {"messages": MSG, "max_tokens": LONG, "ignore_eos": True}
     a = server.open_stream(CHAT, long)  # takes the one slot
     server.wait_for(lambda h: h["busy"] == 1, what="first request running")
-    b = server.open_stream(CHAT, long)  # waits in the queue of one
+    b = server.send_stream(CHAT, long)  # waits in the queue of one (its answer begins once it has the slot)
     server.wait_for(lambda h: h["queued"] == 1, what="second request queued")
     t0 = time.monotonic()
     status, headers, raw = server.request("POST", CHAT, body={"messages": MSG, "max_tokens": 2})
@@ -245,7 +248,7 @@ def test_full_queue_answers_429_at_once(server, client):
     err = json.loads(raw)["error"]
     assert status == 429 and err["code"] == "queue_full" and headers.get("retry-after") == "1"
     assert elapsed < 5, elapsed  # refused at once, not after the running ones
-    for conn, _ in (b, a):
+    for conn in (b, a[0]):  # the waiting one hangs up first: its queue place is given back at once
         conn.sock.close()
         conn.close()
     h = server.wait_for(lambda h: h["busy"] == 0 and h["queued"] == 0, what="queue drained")
@@ -259,7 +262,7 @@ def test_non_streamed_request_that_hangs_up_is_stopped(server):
     import socket
 
     s = socket.create_connection(("127.0.0.1", server.port))
-    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     s.sendall(head.encode() + f"Authorization: Bearer {KEY}\r\n\r\n".encode() + body)
     server.wait_for(lambda h: h["busy"] == 1, what="request running")
     s.close()
@@ -272,7 +275,7 @@ def test_clients_that_hang_up_at_once_leave_no_place_taken(server, client):
     import socket
 
     body = json.dumps({"messages": MSG, "max_tokens": LONG, "ignore_eos": True, "stream": True}).encode()
-    head = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
     for _ in range(8):  # more than the slot and the queue hold
         s = socket.create_connection(("127.0.0.1", server.port))
         s.sendall(head.encode() + f"Authorization: Bearer {KEY}\r\n\r\n".encode() + body)
@@ -411,6 +414,8 @@ def test_two_slots_generate_at_once(project):
         jobs = [engine.admit(req(LONG)), engine.admit(req(LONG))]
         with pytest.raises(QueueFull):
             engine.admit(req(1))  # both slots taken, no queue
+        for j in jobs:
+            await engine.start(j, timeout=10)
         streams = [engine.events(j) for j in jobs]
         firsts = [await s.__anext__() for s in streams]
         assert [e.kind for e in firsts] == ["text", "text"] and engine.status()["busy"] == 2

@@ -154,7 +154,7 @@ def test_full_disk_during_a_checkpoint_is_one_line_and_loses_nothing(tmp_path, m
 
 
 def test_corrupt_checkpoint_advice_fits_the_command(tmp_path):
-    from enlace.eval.evaluate import load_trained_model
+    from enlace.load import load_trained_model
 
     run(tmp_path, stop_after=4)  # checkpoints 2 and 4
     bad = tmp_path / "checkpoints" / step_dirname(4) / "model.safetensors"

@@ -25,3 +25,7 @@ class CheckpointError(EnlaceError):
 
 class HardwareError(EnlaceError):
     """The selected hardware profile does not match the device this process runs on."""
+
+
+class ModelError(EnlaceError):
+    """A model path cannot be opened: missing, or none of the kinds ENLACE loads (enlace.load)."""

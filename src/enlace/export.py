@@ -21,10 +21,11 @@ from .config.resolve import stable_hash
 from .errors import EnlaceError
 from .hf import sp_convert
 from .hf.config import to_hf_config
-from .hf.folder import WEIGHTS, load_hf_folder, save_hf_folder, write_model_manifest
+from .hf.folder import WEIGHTS, save_hf_folder, write_model_manifest
 from .hf.gguf_import import LICENCE_FILES
 from .hf.tokenizer import FILES as TOKENIZER_READS
 from .io import atomic_dir, atomic_write_json, sha256_file
+from .load import check_model_folder, load_model, load_trained_model
 from .manifest import recorded_provenance, verify_manifest
 from .model import Llama
 
@@ -152,7 +153,7 @@ def write_folder(
                 f"{cfg.vocab_size}; not the run's tokenizer"
             )
         write_model_manifest(tmp, "hf-model", provenance)
-        reloaded = load_hf_folder(tmp)  # checks the manifest too
+        reloaded = load_model(tmp, flag="export").model  # as every command will open it (manifest checked)
         ids = torch.arange(min(cfg.seq_len, 16)).unsqueeze(0) % cfg.vocab_size
         with torch.no_grad():
             same = torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
@@ -169,8 +170,6 @@ def export_run(
     shards: Path = paths.SHARDS,
 ) -> dict[str, Any]:
     """The newest complete checkpoint of run_dir as a Hugging Face folder at out."""
-    from .eval.evaluate import load_trained_model
-
     if not Path(run_dir).is_dir():
         raise ExportError(f"--run-dir {run_dir}: no such folder")
     model, meta, ckpt = load_trained_model(Path(run_dir))
@@ -221,15 +220,13 @@ def export_merged(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
     LoRA targets are attention and MLP projections only, so a tied embedding/head pair is never touched
     (merging into a tied lm_head would silently change the input embedding too: PEFT #2018).
     """
-    from .load import check_model_folder
-    from .lora import load_adapter, merge_and_unload
+    from .lora import merge_and_unload
 
     base = check_model_folder(Path(base))
     if not Path(adapter).is_dir():
         raise ExportError(f"--adapter {adapter}: no such folder")
-    model = load_hf_folder(base)
-    load_adapter(model, Path(adapter), str(base))
-    merge_and_unload(model)
+    # Opened as every command opens a model (B A already folded in), then unwrapped into plain Linears.
+    model = merge_and_unload(load_model(base, adapter).model)
     if model.cfg.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise ExportError("merging untied the embeddings; export aborted")
     # Everything carried over from the base, checked against its manifest (the weights were, as loaded).

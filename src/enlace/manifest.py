@@ -124,7 +124,7 @@ def _warn_legacy(what: Path, hint: Path) -> None:
     if key not in _warned:
         _warned.add(key)
         log.warning(
-            f"warning: {what}: no manifest (written before manifests existed), not verified; "
+            f"warning: {what}: no manifest (written before manifests existed, or by another tool), not verified; "
             f"`enlace verify {hint} --write` adopts it"
         )
 

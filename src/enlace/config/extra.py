@@ -6,6 +6,9 @@ from .base import Strict
 
 
 class GenerationConfig(Strict):
+    """How a model samples. The defaults are a plain continuation's (the eval stage's samples); the presets
+    of the commands (GENERATE, CHAT, FINETUNE_EVAL) sit beside this class: every sampling default is here."""
+
     max_new_tokens: StrictInt = Field(default=48, gt=0)
     temperature: StrictFloat = Field(default=0.8, ge=0)  # 0: greedy
     top_k: StrictInt = Field(default=50, ge=0)  # 0: off
@@ -13,6 +16,19 @@ class GenerationConfig(Strict):
     repetition_penalty: StrictFloat = Field(default=1.0, ge=1)  # 1: off
     no_repeat_ngram: StrictInt = Field(default=0, ge=0)  # 0: off
     seed: StrictInt = 0
+
+
+# `enlace generate`: the eval stage's sampling, a longer text.
+GENERATE = GenerationConfig(max_new_tokens=64)
+# An assistant's replies: `enlace chat`, `enlace serve` (a request's unset fields) and finetune-eval's answers
+# (finetune.generation, with a budget of its own). Greedy decoding of a small model loops ("¿Por qué? ¿Por
+# qué? ..."); a mild penalty plus a 4-gram ban stops that without banning the short phrases Spanish repeats
+# legitimately ("de la", "que el"). Measured in runs/finetune/eval.json.
+CHAT = GenerationConfig(
+    max_new_tokens=256, temperature=0.7, top_k=0, top_p=0.9, repetition_penalty=1.1, no_repeat_ngram=4
+)
+# finetune-eval answers the fixed prompts as `enlace chat` would, seeded, with a shorter budget.
+FINETUNE_EVAL = CHAT.model_copy(update={"max_new_tokens": 96})
 
 
 class EvalConfig(Strict):

@@ -4,7 +4,7 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from ..choices import DecayShape, InstructFormat
 from .base import Strict
-from .extra import GenerationConfig
+from .extra import FINETUNE_EVAL, GenerationConfig
 from .train import AdamWConfig, CheckpointConfig, ScheduleConfig
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -71,9 +71,7 @@ class FinetuneConfig(Strict):
     judge_base: StrictBool = True
     # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its checks
     # measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
-    generation: GenerationConfig = GenerationConfig(
-        max_new_tokens=96, temperature=0.7, top_k=0, top_p=0.9, repetition_penalty=1.1, no_repeat_ngram=4
-    )
+    generation: GenerationConfig = FINETUNE_EVAL
 
     @field_validator("targets", mode="before")
     @classmethod

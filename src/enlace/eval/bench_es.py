@@ -45,6 +45,21 @@ def task_dir(assets: Path, dest: Path) -> Path:
     return dest
 
 
+def hf_folder(model_dir: Path) -> Path:
+    """The Hugging Face folder lm-eval reads, told apart from the other model paths by enlace.load."""
+    from ..load import locate
+
+    ref = locate(model_dir, flag="MODEL_DIR")
+    how = {
+        "run": "no config.json; export a run first (`enlace export`)",
+        "gguf": "a GGUF file; import it first (`enlace import-gguf --gguf FILE`)",
+        "hf": "a LoRA run; merge it first (`enlace export --model BASE --adapter ADAPTER`)",
+    }
+    if ref.kind != "hf" or ref.adapter is not None:
+        raise EnlaceError(f"MODEL_DIR {model_dir}: {how[ref.kind]}")
+    return ref.path
+
+
 def run_bench(
     model_dir: Path,
     out: Path | None = None,
@@ -53,11 +68,7 @@ def run_bench(
     batch_size: int = 16,
 ) -> dict[str, Any]:
     """Accuracy and its standard error per task (and the pairs' size-weighted mean) for one model folder."""
-    from ..load import check_model_folder
-
-    model_dir = check_model_folder(Path(model_dir), "MODEL_DIR")
-    if not (model_dir / "config.json").exists():
-        raise EnlaceError(f"MODEL_DIR {model_dir}: no config.json; export a run first (`enlace export`)")
+    model_dir = hf_folder(Path(model_dir))
     go_offline()
     import lm_eval
     from lm_eval.tasks import TaskManager

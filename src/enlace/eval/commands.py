@@ -72,81 +72,33 @@ def bpb_table(m: dict) -> str:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from ..generate import check_sampling, decode_weights, generate, resolve_decode_weights
+    from ..generate import check_sampling, generate
+    from ..load import load_model
 
     check_sampling(  # before loading a model: a bad option costs nothing
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
     )
-    resolve_decode_weights(args.weights, args.device)  # so is weights the CPU cannot run
-    model_dir = Path(args.model)
-    device = args.device
-    if not model_dir.is_dir():
-        what = "no such folder" if not model_dir.exists() else "not a folder"
-        raise EnlaceError(f"--model {model_dir}: {what} (a run folder or a Hugging Face model folder)")
-    if not (model_dir / "checkpoints").is_dir() and (model_dir / "config.json").exists():
-        # A Hugging Face folder (e.g. the imported SmolLM2), optionally with a LoRA adapter.
-        from ..load import load_for_generation
-
-        model, tok = load_for_generation(
-            model_dir, Path(args.adapter) if args.adapter else None, device=device
-        )
-        if args.raw:
-            ids = tok.encode(args.prompt)
-        else:
-            ids = tok.apply_chat_template(
-                [{"role": "user", "content": args.prompt}], add_generation_prompt=True
-            )
-        if not ids and tok.bos_id is not None:
-            ids = [tok.bos_id]  # an empty raw prompt: continue from the start of a text
-        eos = tok.eos_ids
-
-        def decode(new: list[int]) -> str:
-            return tok.decode(new, skip_special_tokens=True)
-
-        prefix = args.prompt if args.raw else ""
+    loaded = load_model(args.model, args.adapter, device=args.device, weights=args.weights)
+    if args.raw or loaded.ref.kind == "run":
+        ids, prefix = loaded.encode(args.prompt), args.prompt  # our runs continue text: no chat template
     else:
-        from ..text import codec_for, continuation
-        from .evaluate import load_trained_model
-
-        if args.adapter:
-            raise EnlaceError(
-                f"--adapter applies to Hugging Face model folders; export the run first "
-                f"(`enlace export --run-dir {model_dir}`), then pass --model runs/export/hf"
-            )
-        model, meta, _ = load_trained_model(model_dir, device)
-        codec = codec_for(meta["config"]["train"]["loader"], paths.TOKENIZER)
-        ids, eos, prefix = codec.encode(args.prompt), codec.eos_ids, args.prompt
-
-        def decode(new: list[int]) -> str:
-            return continuation(codec, ids, new)
-
+        chat = loaded.chat_template
+        if chat is None:
+            raise EnlaceError(f"--model {args.model}: no chat template; pass --raw for a plain continuation")
+        ids, prefix = chat([{"role": "user", "content": args.prompt}]), ""
     if not ids:
         raise EnlaceError(
             "the prompt is empty and the model has no start token to continue from; give a prompt"
         )
-    decode_weights(model, args.weights, device)
     sys.stdout.write(prefix)
     sys.stdout.flush()
-    new: list[int] = []
-    printed = ""
+    stream = loaded.stream(ids)
+    sample = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     for token in generate(
-        model,
-        ids,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_ids=eos,
-        device=device,
+        loaded.model, ids, args.max_new_tokens, eos_ids=loaded.eos_ids, device=args.device, **sample
     ):
-        new.append(token)
-        text = decode(new)
-        # Stream only whole characters: a multi-byte character may span several tokens.
-        if not text.endswith("\ufffd"):
-            sys.stdout.write(text[len(printed) :])
-            sys.stdout.flush()
-            printed = text
+        sys.stdout.write(stream.push(token))  # whole characters only: one may span several tokens
+        sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 
@@ -183,6 +135,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+    from ..config.extra import GENERATE
 
     p = sub.add_parser("eval", parents=[common], help="stage 6: val loss, perplexity, bits/byte, samples")
     p.add_argument(
@@ -210,16 +163,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument(
         "--model",
         default=str(paths.RUNS / "pretrain"),
-        help="our run folder (default runs/pretrain: its latest checkpoint) or a Hugging Face model folder",
+        help="our run folder (default runs/pretrain: its latest checkpoint), a Hugging Face model folder, a "
+        "LoRA run folder or a .gguf file",
     )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--adapter", default=None, help="a LoRA adapter folder (PEFT layout) for --model")
     p.add_argument("--raw", action="store_true", help="with --model: no chat template, plain continuation")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--seed", type=int, default=0)
+    g = GENERATE  # the sampling defaults, defined once (config/extra.py)
+    p.add_argument("--max-new-tokens", type=int, default=g.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=g.temperature)
+    p.add_argument("--top-k", type=int, default=g.top_k)
+    p.add_argument("--top-p", type=float, default=g.top_p)
+    p.add_argument("--seed", type=int, default=g.seed)
     p.add_argument(
         "--weights",
         default="auto",

@@ -20,35 +20,18 @@ from typing import Any
 import torch
 
 from .. import paths
-from ..config import Config, ModelConfig
+from ..config import Config
 from ..config.resolve import LAYERS, build_config
 from ..errors import CheckpointError, EnlaceError
 from ..generate import generate
 from ..io import atomic_write_json
+from ..load import load_model
+from ..load.run import no_checkpoint
 from ..model import Llama
 from ..runtime import check_device, setup_runtime
 from ..scoring.score import evaluate, precision, sliding_windows
 from ..scoring.token_bytes import TokenBytes
-from ..text import SentencePieceCodec, codec_for, continuation
-
-
-def load_trained_model(
-    run_dir: Path, device: torch.device | str = "cpu"
-) -> tuple[Llama, dict[str, Any], Path]:
-    """The newest complete checkpoint of a run, as an eval-mode model built from the config it saved."""
-    from ..train.checkpoint import latest_checkpoint
-    from ..train.step import load_model_tensors
-
-    root = Path(run_dir) / "checkpoints"
-    found = latest_checkpoint(root, device=device)
-    if found is None:
-        raise CheckpointError(
-            f"{root}: no complete checkpoint; run `enlace pretrain` (or `dvc repro pretrain`) first"
-        )
-    path, tensors, meta = found
-    model = Llama(ModelConfig.model_validate(meta["config"]["model"]))
-    load_model_tensors(model, tensors["model"])
-    return model.to(device).eval(), meta, path
+from ..text import codec_for, continuation
 
 
 @dataclass
@@ -63,24 +46,22 @@ class Scorer:
     meta: dict[str, Any] | None = None  # our runs: the checkpoint's meta.json
 
 
-def load_scorer(model_dir: Path, hw: Any, device: torch.device) -> Scorer:
-    """Our run folder (its latest checkpoint) or a Hugging Face folder (e.g. the imported SmolLM2)."""
-    model_dir = Path(model_dir)
-    if (model_dir / "config.json").exists() and not (model_dir / "checkpoints").is_dir():
-        from ..hf.folder import load_hf_folder
-        from ..hf.tokenizer import HFTokenizer
-
-        model = load_hf_folder(model_dir, device=device)
-        tok = HFTokenizer(model_dir)
+def load_scorer(model_dir: Path, hw: Any, device: torch.device, flag: str = "--model-dir") -> Scorer:
+    """Any model enlace.load opens: our run folder (its latest checkpoint), a Hugging Face folder (e.g. the
+    imported SmolLM2), a GGUF file."""
+    loaded = load_model(model_dir, device=device, flag=flag)
+    model = loaded.model
+    if loaded.tokenizer is not None:
+        tok = loaded.tokenizer
         # The document separator of its pretraining where the vocabulary has one, else bos or eos.
         sep = next(i for i in (tok.token_id("<|endoftext|>"), tok.bos_id, tok.eos_id, 0) if i is not None)
         return Scorer(
             str(model_dir),
             model,
             lambda t: [sep, *tok.encode(t, add_special_tokens=False)],
-            TokenBytes.hugging_face(model_dir / "tokenizer.json"),
+            TokenBytes.hugging_face(tok.folder / "tokenizer.json"),
         )
-    model, meta, ckpt = load_trained_model(model_dir, device)
+    meta, ckpt = loaded.meta, loaded.checkpoint
     saved = meta["config"]
     layers = {k: v for k, v in saved.items() if k in LAYERS and k != "hardware"}
     cfg = build_config({**layers, "hardware": hw})
@@ -89,8 +70,8 @@ def load_scorer(model_dir: Path, hw: Any, device: torch.device) -> Scorer:
         encode = lambda t: [10, *t.encode("utf-8")]  # noqa: E731
         return Scorer(str(ckpt), model, encode, TokenBytes.raw_bytes(), cfg, meta)
     sp_file = paths.TOKENIZER / "tokenizer.model"
-    codec = SentencePieceCodec(sp_file)  # encode() starts with EOS, as documents do in the shards
-    return Scorer(str(ckpt), model, codec.encode, TokenBytes.sentencepiece(sp_file), cfg, meta)
+    # loaded.codec is this file's SentencePieceCodec: encode() starts with EOS, as documents do in the shards
+    return Scorer(str(ckpt), model, loaded.codec.encode, TokenBytes.sentencepiece(sp_file), cfg, meta)
 
 
 def validation_metrics(scorer: Scorer) -> dict[str, Any]:
@@ -245,7 +226,9 @@ def run_eval(
 ) -> dict[str, Any]:
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware"))
     device = setup_runtime(cfg.hardware)
-    scorer = load_scorer(run_dir, cfg.hardware, device)
+    if not Path(run_dir).exists():
+        raise no_checkpoint(run_dir)  # the run is not trained yet: say how to train it
+    scorer = load_scorer(run_dir, cfg.hardware, device, flag="--run-dir")
     if scorer.meta is None:
         raise CheckpointError(f"{run_dir}: not one of our runs; score other models with --model-dir")
     model, ckpt, meta = scorer.model, Path(scorer.name), scorer.meta

@@ -1,27 +1,27 @@
-"""The `enlace chat` REPL: streamed replies from a Hugging Face folder (loaded by enlace.load)."""
+"""The `enlace chat` REPL: streamed replies from a model with a chat template (opened by enlace.load)."""
 
 from __future__ import annotations
 
 import sys
 from typing import TextIO
 
+from ..config.extra import CHAT
 from ..errors import EnlaceError
 from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
 
-# `enlace chat` decoding: seeded sampling with repetition controls. Greedy decoding of a small model
-# loops ("¿Por qué? ¿Por qué? ..."); a mild penalty plus a 4-gram ban stops that without banning the
-# short phrases Spanish repeats legitimately ("de la", "que el"). Measured in runs/finetune/eval.json.
-CHAT_SAMPLING = {
-    "temperature": 0.7,
-    "top_k": 0,
-    "top_p": 0.9,
-    "repetition_penalty": 1.1,
-    "no_repeat_ngram": 4,
-}
+# `enlace chat` decoding, as config.extra.CHAT defines it (the repetition controls and why: there).
+CHAT_SAMPLING = CHAT.model_dump(
+    include={"temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram"}
+)
 
 
 def stream_reply(
-    model, tok: HFTokenizer, messages: list[Message], out: TextIO, max_new_tokens: int = 256, **sampling
+    model,
+    tok: HFTokenizer,
+    messages: list[Message],
+    out: TextIO,
+    max_new_tokens: int = CHAT.max_new_tokens,
+    **sampling,
 ) -> str:
     """Generate the assistant's reply token by token, printing each piece as soon as it decodes."""
     from ..generate import generate
@@ -56,8 +56,8 @@ def chat_repl(
     inp: TextIO | None = None,
     out: TextIO | None = None,
     system: str | None = None,
-    max_new_tokens: int = 256,
-    seed: int = 0,
+    max_new_tokens: int = CHAT.max_new_tokens,
+    seed: int = CHAT.seed,
     **sampling,
 ) -> list[Message]:
     """Read user turns from `inp` until EOF or /exit; keep the whole conversation as context.

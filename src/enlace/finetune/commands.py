@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ..errors import EnlaceError
+
 DEFAULT_LAYER = "smollm2-es"
 # `enlace finetune` flags -> finetune.<key>; each is a shorthand for --set finetune.<key>=VALUE.
 FLAGS = {
@@ -130,20 +132,25 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
-    from ..generate import check_sampling, decode_weights, resolve_decode_weights
-    from ..load import load_for_generation
+    from ..generate import check_sampling
+    from ..load import load_model
     from .chat import chat_repl
 
     sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
     check_sampling(max_new_tokens=args.max_new_tokens, **sampling)  # before the model loads
-    resolve_decode_weights(args.weights)  # weights this CPU cannot run, too
     if hasattr(sys.stdin, "reconfigure"):
         # Bad bytes become lone surrogates line by line (a strict decoder fails a whole buffered chunk
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.
         sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
-    model, tok = load_for_generation(args.model, args.adapter)
-    decode_weights(model, args.weights)
-    chat_repl(model, tok, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
+    loaded = load_model(args.model, args.adapter, weights=args.weights)  # weights checked before loading
+    tok = loaded.hf_tokenizer("enlace chat")
+    if loaded.chat_template is None:
+        raise EnlaceError(
+            f"--model {args.model}: no chat template; use `enlace generate --raw` to continue text"
+        )
+    chat_repl(
+        loaded.model, tok, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling
+    )
     return 0
 
 
@@ -151,9 +158,7 @@ CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    # Long: the flat argparse declarations of four commands, in the order `enlace --help` lists them.
-    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
-
+    # The flat argparse declarations of three commands, in the order `enlace --help` lists them (then chat).
     # Paths, not the importer: `enlace --help` must not import gguf and torch.
     from ..paths import GEMMA3_DIR, SMOLLM2_DIR
     from ..paths import PYPI_CACHE as DEFAULT_CACHE
@@ -213,24 +218,37 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--val-data", dest="val_data", help="held-out JSONL")
     p.set_defaults(handler=_finetune_eval)
 
+    _register_chat(sub)
+
+
+def _register_chat(sub: argparse._SubParsersAction) -> None:
+    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+    from ..config.extra import CHAT
+    from ..paths import SMOLLM2_DIR
+
     p = sub.add_parser("chat", help="chat with a Hugging Face model folder (optionally with a LoRA adapter)")
-    p.add_argument("--model", default=str(SMOLLM2_DIR), help="model folder")
+    p.add_argument(
+        "--model", default=str(SMOLLM2_DIR),
+        help="a model with a chat template: a Hugging Face folder, a LoRA run folder or a .gguf file",
+    )  # fmt: skip
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT layout)")
     p.add_argument("--system", default=None, help="system message")
-    # Defaults from finetune.chat.CHAT_SAMPLING, written out so `enlace --help` does not import torch.
-    p.add_argument("--temperature", type=float, default=0.7, help="0: greedy (default 0.7)")
-    p.add_argument("--top-k", dest="top_k", type=int, default=0, help="0: off (default)")
-    p.add_argument("--top-p", dest="top_p", type=float, default=0.9, help="1: off (default 0.9)")
+    g = CHAT  # the sampling defaults, defined once (config/extra.py)
     p.add_argument(
-        "--repetition-penalty", dest="repetition_penalty", type=float, default=1.1,
-        help="divides the logits of tokens this reply already used; 1: off (default 1.1)",
+        "--temperature", type=float, default=g.temperature, help=f"0: greedy (default {g.temperature})"
+    )
+    p.add_argument("--top-k", dest="top_k", type=int, default=g.top_k, help=f"0: off (default {g.top_k})")
+    p.add_argument("--top-p", dest="top_p", type=float, default=g.top_p, help=f"1: off (default {g.top_p})")
+    p.add_argument(
+        "--repetition-penalty", dest="repetition_penalty", type=float, default=g.repetition_penalty,
+        help=f"divides the logits of tokens this reply already used; 1: off (default {g.repetition_penalty})",
     )  # fmt: skip
     p.add_argument(
-        "--no-repeat-ngram", dest="no_repeat_ngram", type=int, default=4,
-        help="never repeat an n-gram of tokens within a reply; 0: off (default 4)",
+        "--no-repeat-ngram", dest="no_repeat_ngram", type=int, default=g.no_repeat_ngram,
+        help=f"never repeat an n-gram of tokens within a reply; 0: off (default {g.no_repeat_ngram})",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=256)
+    p.add_argument("--seed", type=int, default=g.seed)
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=g.max_new_tokens)
     p.add_argument(
         "--weights",
         default="auto",

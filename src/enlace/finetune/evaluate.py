@@ -18,10 +18,10 @@ from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..data.clean import EN_WORDS, ES_WORDS, is_spanish_lingua
 from ..errors import EnlaceError
-from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
-from ..lora import load_adapter, set_merged
+from ..load import add_adapter, load_model
+from ..lora import set_merged
 from ..model import IGNORE_INDEX
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
@@ -182,8 +182,8 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
     if not (adapter / "adapter_config.json").exists():
         raise EnlaceError(f"{adapter}: no adapter; run `enlace finetune` first")
     questions = read_questions(Path(cfg.questions)) if cfg.questions else []  # a bad file fails first
-    tok = HFTokenizer(Path(cfg.base_model))
-    model = load_hf_folder(Path(cfg.base_model))
+    base = load_model(cfg.base_model, flag="finetune.base_model")
+    model, tok = base.model, base.hf_tokenizer("finetune-eval")
     val = load_dataset(tok, Path(cfg.val_data), cfg.format, cfg.max_len, None, cfg.system_prompt)
     warning = answer_budget_warning(val, cfg.generation.max_new_tokens)
     if warning:
@@ -191,7 +191,7 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
     before = heldout_loss(model, val, tok.pad_id)
     answers_before = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]
     judged_before = answer_questions(model, tok, questions, cfg) if cfg.judge_base else []
-    load_adapter(model, adapter, cfg.base_model)
+    add_adapter(model, adapter, cfg.base_model, merge=False)  # the held-out loss first, as trained
     after = heldout_loss(model, val, tok.pad_id)
     set_merged(model, True)  # same outputs, one matmul per projection while generating
     answers_after = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]

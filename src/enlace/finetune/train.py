@@ -24,9 +24,8 @@ from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..config.resolve import stable_hash
 from ..hf import folder as hf_module
-from ..hf.folder import load_hf_folder
-from ..hf.tokenizer import HFTokenizer
 from ..io import sha256_file
+from ..load import load_model
 from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from ..runtime import resolve_hardware
 from ..train import dist as D
@@ -105,8 +104,8 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
 
 def prepare(cfg: FinetuneConfig, device: torch.device):
     """Base model with fresh adapters (seeded), tokenizer and training data."""
-    tok = HFTokenizer(Path(cfg.base_model))
-    model = load_hf_folder(Path(cfg.base_model), device=device)
+    base = load_model(cfg.base_model, device=device, flag="finetune.base_model")
+    model, tok = base.model, base.hf_tokenizer("finetune")
     torch.manual_seed(cfg.seed)
     inject_lora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout)
     data = load_dataset(

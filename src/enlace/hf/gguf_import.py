@@ -389,7 +389,7 @@ def import_gguf(
         magic = f.read(4)
     if magic != b"GGUF":
         raise EnlaceError(f"--gguf {gguf_path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
-    verify_file(gguf_path, warn=source is None)
+    checked = verify_file(gguf_path, warn=source is None)
     try:
         reader = GGUFReader(str(gguf_path))
     except (ValueError, OSError, IndexError, KeyError) as e:
@@ -419,7 +419,8 @@ def import_gguf(
         atomic_write_json(tmp / "generation_config.json", gen)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
-        origin = source or {"gguf": gguf_path.name, "gguf_sha256": sha256_file(gguf_path)}
+        digest = checked["files"][gguf_path.name]["sha256"] if checked else sha256_file(gguf_path)
+        origin = source or {"gguf": gguf_path.name, "gguf_sha256": digest}
         write_model_manifest(tmp, "imported-model", origin)
     return Path(out)
 

@@ -10,6 +10,10 @@ from pathlib import Path
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 DEFAULT_QUEUE = 16
 DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS = 2048, 512
+DEFAULT_BODY_TIMEOUT, DEFAULT_QUEUE_TIMEOUT = 10.0, 60.0
+# Connections and requests uvicorn takes at once beyond the slots and the queue (keep-alive clients, /health,
+# the page, refusals); past them it answers 503 without calling the app.
+SPARE_CONNECTIONS = 32
 
 
 def _default_assistant(args: argparse.Namespace):
@@ -31,6 +35,29 @@ def _positive(flag: str, value: int, least: int = 1) -> None:
         raise EnlaceError(f"{flag} {value}: must be at least {least}")
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key, checked before the model loads: an address other machines reach needs one, or a stated
+    --no-api-key."""
+    from ..errors import EnlaceError
+    from .guard import is_loopback
+
+    if args.no_api_key and args.api_key:
+        raise EnlaceError("--api-key and --no-api-key: pass one of them")
+    api_key = None if args.no_api_key else args.api_key or os.environ.get("ENLACE_API_KEY") or None
+    if api_key is None and not args.no_api_key and not is_loopback(args.host):
+        raise EnlaceError(
+            f"--host {args.host}: other machines can reach this address; pass --api-key KEY (or set "
+            "ENLACE_API_KEY), or --no-api-key to serve without one"
+        )
+    for origin in args.cors_origin:
+        if not origin.startswith(("http://", "https://")) or origin.count("/") != 2:
+            raise EnlaceError(f"--cors-origin {origin}: expected an origin, e.g. http://localhost:3000")
+    for flag, seconds in (("--body-timeout", args.body_timeout), ("--queue-timeout", args.queue_timeout)):
+        if not seconds > 0:
+            raise EnlaceError(f"{flag} {seconds}: must be above 0 seconds")
+    return api_key
+
+
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
@@ -44,14 +71,15 @@ def _serve(args: argparse.Namespace) -> int:
                                ("--max-prompt-tokens", args.max_prompt_tokens, 1),
                                ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)):  # fmt: skip
         _positive(flag, value, least)
-    api_key = args.api_key or os.environ.get("ENLACE_API_KEY") or None
+    api_key = _api_key(args)
     served = load_served(
         args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name
     )
     slots = args.slots
     engine = Engine(served, slots=slots, queue=args.queue)
-    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens)
-    app = create_app(engine, limits, api_key=api_key)
+    limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+                    body_timeout=args.body_timeout, queue_timeout=args.queue_timeout)  # fmt: skip
+    app = create_app(engine, limits, api_key=api_key, host=args.host, cors_origins=tuple(args.cors_origin))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
     shown = "[::1]" if args.host == "::1" else args.host
     print(
@@ -61,7 +89,8 @@ def _serve(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5,
+                    limit_concurrency=slots + args.queue + SPARE_CONNECTIONS)  # fmt: skip
     finally:
         engine.close()
     return 0
@@ -80,8 +109,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     )
     p.add_argument(
         "--model", default=None,
-        help="a Hugging Face folder (e.g. models/smollm2-135m-instruct), a LoRA run folder (runs/finetune) or "
-        "a pretraining run folder (runs/pretrain)",
+        help="a Hugging Face folder (e.g. models/smollm2-135m-instruct), a LoRA run folder (runs/finetune), "
+        "a pretraining run folder (runs/pretrain) or a .gguf file",
     )  # fmt: skip
     p.add_argument("--adapter", default=None, help="a LoRA adapter folder for --model (PEFT layout)")
     p.add_argument("--name", default=None, help="the model id clients use (default: from the folder names)")
@@ -91,12 +120,30 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"default {DEFAULT_PORT}")
     p.add_argument(
         "--api-key", default=None,
-        help="require Authorization: Bearer KEY on /v1/ (default: $ENLACE_API_KEY if set, else no key)",
+        help="require Authorization: Bearer KEY on /v1/ and for /health's details (default: $ENLACE_API_KEY "
+        "if set, else no key; an address other than loopback needs a key or --no-api-key)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-api-key", dest="no_api_key", action="store_true",
+        help="serve an address other than loopback without a key (anyone who reaches it may use it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--cors-origin", dest="cors_origin", action="append", default=[], metavar="ORIGIN",
+        help="a web origin (e.g. http://localhost:3000) whose pages may call the API from a browser; repeat "
+        "for more (default: only the server's own page)",
     )  # fmt: skip
     p.add_argument("--slots", type=int, default=1, help="generations at a time (default 1)")
     p.add_argument(
         "--queue", type=int, default=DEFAULT_QUEUE,
         help=f"requests that may wait for a slot; beyond that a request gets 429 at once (default {DEFAULT_QUEUE})",
+    )  # fmt: skip
+    p.add_argument(
+        "--queue-timeout", dest="queue_timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT,
+        help=f"seconds a request may wait for a slot before a 503 (default {DEFAULT_QUEUE_TIMEOUT:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--body-timeout", dest="body_timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+        help=f"seconds to receive a request's body before a 408 (default {DEFAULT_BODY_TIMEOUT:g})",
     )  # fmt: skip
     p.add_argument(
         "--weights", default="auto", choices=("auto", "fp32", "bf16", "int8"),

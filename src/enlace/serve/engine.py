@@ -4,7 +4,8 @@ The event loop never runs a forward pass: each job runs `enlace.generate.generat
 CLI uses too, with its own KV cache per call) in a worker thread and hands its text to the loop as events. A
 job stops between two tokens once its `cancel` event is set: the client disconnected, or the server stops.
 Admission is decided at once: a request that finds every slot busy and the queue full is refused, never
-parked.
+parked; one admitted waits for a slot at most a set time. /health turns "degraded" after DEGRADED_AFTER
+generations in a row failed (the model's device lost, memory exhausted): a supervisor can restart it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ from ..generate import generate
 from .loader import Served
 
 log = logging.getLogger("enlace.serve")
+DEGRADED_AFTER = 3  # failed generations in a row
+GENERIC_FAILURE = "generation failed (the server's log has the details)"
 
 
 class QueueFull(Exception):
     """Every slot is busy and the waiting queue is full."""
+
+
+class QueueTimeout(Exception):
+    """The request waited for a slot longer than the server allows."""
 
 
 @dataclass
@@ -91,7 +98,7 @@ class Job:
         self.cancel = threading.Event()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
-        self.entered = False  # events() has run (or the job was abandoned): its queue place is accounted for
+        self.state = "waiting"  # then "running" (a worker has it) or "gone" (left before a slot was free)
 
     def emit(self, event: Event) -> None:
         """From the worker thread: hand an event to the loop (dropped if the loop has already closed)."""
@@ -114,6 +121,7 @@ class Engine:
         self._free: asyncio.Semaphore | None = None  # made on the server's loop
         self.admitted = 0  # running + waiting; only the loop thread touches it
         self.running: set[Job] = set()
+        self.consecutive_failures = 0
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "refused": 0,
                       "tokens_generated": 0}  # fmt: skip
 
@@ -123,10 +131,14 @@ class Engine:
             self._free = asyncio.Semaphore(self.slots)
         return self._free
 
+    @property
+    def healthy(self) -> bool:
+        return self.consecutive_failures < DEGRADED_AFTER
+
     def status(self) -> dict[str, Any]:
         busy = len(self.running)
         return {"slots": self.slots, "busy": busy, "queued": self.admitted - busy, "queue": self.queue,
-                **self.stats}  # fmt: skip
+                **self.stats, "consecutive_failures": self.consecutive_failures}  # fmt: skip
 
     def admit(self, req: GenRequest) -> Job:
         """A job holding a place in the queue; QueueFull at once when there is none."""
@@ -137,25 +149,37 @@ class Engine:
         self.stats["requests"] += 1
         return Job(req)
 
+    async def start(self, job: Job, timeout: float) -> None:
+        """Wait for a slot (QueueTimeout after `timeout` seconds), then run the job in a worker thread.
+
+        Cancelled while waiting (the client went away), or timed out: the queue place is given back."""
+        try:
+            await asyncio.wait_for(self.free.acquire(), timeout)
+        except asyncio.TimeoutError:
+            self.abandon(job)
+            self.stats["refused"] += 1
+            raise QueueTimeout(f"no generation slot free within {timeout:g} s") from None
+        except BaseException:
+            self.abandon(job)
+            raise
+        if job.state != "waiting" or job.cancel.is_set():  # abandoned while the slot was being handed over
+            self.free.release()
+            self.abandon(job)
+            return
+        job.state = "running"
+        self.running.add(job)
+        future = asyncio.get_running_loop().run_in_executor(self.pool, self._work, job)
+        future.add_done_callback(lambda f: self._done(job, f))
+
     async def events(self, job: Job) -> AsyncIterator[Event]:
-        """Wait for a slot, run the job in a worker thread, yield its events until done or error.
+        """The events of a started job until done or error.
 
         Closing or cancelling this iterator (the client went away) stops the generation at the next token.
         The slot and the queue place are given back when the worker thread is done, not before.
         """
-        if job.entered:
-            return
-        job.entered = True
-        acquired = started = False
         try:
-            await self.free.acquire()
-            acquired = True
-            if job.cancel.is_set():
+            if job.state != "running":
                 return
-            self.running.add(job)
-            future = asyncio.get_running_loop().run_in_executor(self.pool, self._work, job)
-            started = True
-            future.add_done_callback(lambda f: self._done(job, f))
             while True:
                 event = await job.events.get()
                 yield event
@@ -163,17 +187,13 @@ class Engine:
                     return
         finally:
             job.cancel.set()  # harmless once the job has finished
-            if not started:
-                self.admitted -= 1
-                if acquired:
-                    self.free.release()
 
     def abandon(self, job: Job) -> None:
-        """Give back the queue place of a job whose events() never ran: its client left before the response
-        began. A no-op for a job that ran."""
-        if not job.entered:
-            job.entered = True
-            job.cancel.set()
+        """The job's client is gone: a running job stops at its next token (its worker gives the place back);
+        a waiting one gives its queue place back now. Idempotent."""
+        job.cancel.set()
+        if job.state == "waiting":
+            job.state = "gone"
             self.admitted -= 1
 
     def _done(self, job: Job, future: asyncio.Future) -> None:
@@ -182,12 +202,15 @@ class Engine:
         self.free.release()
         if future.cancelled() or future.exception() is not None:
             self.stats["failed"] += 1
+            self.consecutive_failures += 1
             # Whoever waits on the job must not wait forever (the worker may have died before saying so).
-            job.events.put_nowait(Event("error", "generation failed"))
+            job.events.put_nowait(Event("error", GENERIC_FAILURE))
             return
         finish, n = future.result()
         self.stats["tokens_generated"] += n
         self.stats["cancelled" if finish == "cancelled" else "completed"] += 1
+        if finish != "cancelled":
+            self.consecutive_failures = 0
 
     def _work(self, job: Job) -> tuple[str, int]:
         """The worker thread: generate, decode and emit text; check for cancellation between tokens."""
@@ -208,25 +231,24 @@ class Engine:
                 if n == 0:
                     first = last
                 n += 1
-                if token in stop_ids:
+                if token in stop_ids:  # the model ended: what was held back as a possible stop is text
                     finish = "stop"
                     break
                 text, hit = scan.feed(stream.push(token))
                 if text:
                     job.emit(Event("text", text))
                 if hit:
-                    finish = "stop"
+                    finish = "stop"  # the text ends before the stop string: nothing held back is sent
                     break
                 if job.cancel.is_set():  # before the next forward pass
                     finish = "cancelled"
                     break
-            else:
-                tail = scan.flush()
-                if tail:
-                    job.emit(Event("text", tail))
-        except Exception as e:  # a bug or an out-of-memory: this request fails, the server goes on
-            log.exception("generation failed")
-            job.emit(Event("error", f"generation failed: {type(e).__name__}: {e}"))
+            tail = scan.flush() if finish != "cancelled" else ""
+            if tail:
+                job.emit(Event("text", tail))
+        except Exception:  # a bug or an out-of-memory: this request fails, the server goes on
+            log.exception("generation failed")  # the details go to the log; the client gets a generic line
+            job.emit(Event("error", GENERIC_FAILURE))
             raise
         decode_s = last - first
         timings = {

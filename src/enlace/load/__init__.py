@@ -1,0 +1,187 @@
+"""The one way ENLACE opens a model: `load_model(path, adapter)` -> `Loaded`.
+
+Any model ENLACE can use: one of our pretraining runs (its newest complete checkpoint and the codec of its
+tokenizer), a Hugging Face folder (an import, an export), a LoRA run (its base with its adapter) or a GGUF
+file (imported into a temporary folder by hf.gguf_import), plus an optional LoRA adapter merged in.
+`Loaded` carries the model with everything a front-end needs around it: encode and decode, the chat
+template, stop ids, the context length, what was loaded in words, and the sampling defaults.
+`enlace generate`, `chat`, `serve`, `eval`, `export`, `finetune` and finetune-eval open models here;
+`bench-es` and `bench-bases` score with lm-eval and transformers, but take their paths from `locate`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..config.extra import CHAT, GenerationConfig
+from ..errors import ModelError
+from ..hf.folder import load_hf_folder
+from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
+from ..model import Llama
+from ..text import ByteCodec, SentencePieceCodec
+from .locate import ModelRef, base_of_lora_run, check_model_folder, locate
+from .run import RunStream, load_trained_model, run_codec
+
+__all__ = [
+    "Loaded",
+    "TextStream",
+    "ModelRef",
+    "add_adapter",
+    "base_of_lora_run",
+    "check_model_folder",
+    "load_model",
+    "load_trained_model",
+    "locate",
+    "model_name",
+]
+
+
+class TextStream(Protocol):
+    def push(self, token_id: int) -> str: ...
+
+
+@dataclass
+class Loaded:
+    """A model ready to generate, and how text goes in and out of it."""
+
+    model: Llama
+    ref: ModelRef  # what was asked for: kind, path, adapter
+    source: str  # what was loaded, in words (logs, /health)
+    generation: GenerationConfig  # the sampling defaults for this model
+    tokenizer: HFTokenizer | None = None  # Hugging Face folders and GGUF files
+    codec: ByteCodec | SentencePieceCodec | None = None  # our runs
+    meta: dict[str, Any] | None = None  # our runs: the checkpoint's meta.json
+    checkpoint: Path | None = None  # our runs: the checkpoint loaded
+    weights: str = "fp32"  # the decode weights the model now holds
+    device: str = "cpu"
+    # A GGUF file's imported folder (tokenizer.json for token bytes, say): deleted with this object.
+    keep: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+
+    @property
+    def context(self) -> int:
+        """The model's window in tokens: prompt plus completion must fit in it."""
+        return self.model.cfg.seq_len
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.tokenizer.eos_ids if self.tokenizer is not None else tuple(self.codec.eos_ids)
+
+    @property
+    def name(self) -> str:
+        return model_name(self.ref.path, self.ref.adapter)
+
+    @property
+    def chat_template(self) -> Callable[[list[Message]], list[int]] | None:
+        """Messages -> prompt ids ending where the assistant's reply begins; None without a chat template."""
+        if self.tokenizer is None or self.tokenizer.chat_template is None:
+            return None
+        tok = self.tokenizer
+        return lambda messages: tok.apply_chat_template(messages, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        """A plain prompt's ids; an empty text is the start token alone where the model has one."""
+        if self.tokenizer is None:
+            return self.codec.encode(text)
+        ids = self.tokenizer.encode(text)
+        return ids or ([self.tokenizer.bos_id] if self.tokenizer.bos_id is not None else [])
+
+    def stream(self, prompt_ids: list[int]) -> TextStream:
+        """A decoder of new tokens into text pieces, holding back a character split across tokens."""
+        if self.tokenizer is not None:
+            return StreamDecoder(self.tokenizer)
+        return RunStream(self.codec, prompt_ids)
+
+    def hf_tokenizer(self, why: str) -> HFTokenizer:
+        """The Hugging Face tokenizer, or a one-line refusal naming the path and what needed it."""
+        if self.tokenizer is None:
+            raise ModelError(
+                f"{self.ref.path}: a pretraining run has no Hugging Face tokenizer, which {why} needs; "
+                f"export it first (`enlace export --run-dir {self.ref.path}`)"
+            )
+        return self.tokenizer
+
+
+def model_name(path: Path, adapter: Path | None) -> str:
+    """A model's id: the folder's (or GGUF file's) name, plus the adapter's run (runs/finetune/adapter ->
+    "+finetune")."""
+    path = Path(path).resolve()
+    name = path.stem if path.suffix.lower() == ".gguf" else path.name
+    if adapter is not None:
+        a = Path(adapter).resolve()
+        name += "+" + (a.parent.name if a.name == "adapter" else a.name)
+    return name
+
+
+def add_adapter(model: Llama, adapter: Path, base: str | Path, merge: bool = True) -> Llama:
+    """Load a LoRA adapter trained on `base` into the model; merged: no extra matmuls per token."""
+    from ..lora import load_adapter, set_merged
+
+    load_adapter(model, Path(adapter), str(base))
+    if merge:
+        set_merged(model, True)
+    return model
+
+
+def _open_hf(ref: ModelRef, folder: Path, device: str, source: str) -> Loaded:
+    tok = HFTokenizer(folder)
+    model = load_hf_folder(folder, device=device)
+    if ref.adapter is not None:
+        add_adapter(model, ref.adapter, folder)
+        source += f" with the LoRA adapter {ref.adapter}"
+    generation = CHAT if tok.chat_template is not None else GenerationConfig()
+    return Loaded(model.eval(), ref, source, generation, tokenizer=tok, device=str(device))
+
+
+def _open_gguf(ref: ModelRef, device: str) -> Loaded:
+    from ..hf.gguf_import import import_gguf
+
+    # Imported aside, into a folder that lives as long as the Loaded: the model and its tokenizer are read
+    # whole, but a scorer may still read the folder's tokenizer.json.
+    tmp = tempfile.TemporaryDirectory(prefix="enlace-gguf-")
+    folder = import_gguf(ref.path, Path(tmp.name) / ref.path.stem)
+    loaded = _open_hf(ref, folder, device, f"{ref.path} (imported from GGUF)")
+    loaded.keep = tmp
+    return loaded
+
+
+def _open_run(ref: ModelRef, device: str) -> Loaded:
+    model, meta, ckpt = load_trained_model(ref.path, device)
+    source = f"{ckpt} (a pretraining run: plain continuation, no chat template)"
+    return Loaded(
+        model, ref, source, GenerationConfig(), codec=run_codec(meta), meta=meta, checkpoint=ckpt,
+        device=str(device),
+    )  # fmt: skip
+
+
+def load_model(
+    path: str | Path,
+    adapter: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    weights: str | None = None,
+    flag: str = "--model",
+) -> Loaded:
+    """Open any model ENLACE can use (see the module docstring); `flag` names `path` in errors.
+
+    weights: decode weights to convert to (auto, fp32, bf16, int8; see generate.decode_weights), checked
+    before anything is read; None keeps the fp32 weights a model trains and scores with.
+    """
+    from ..generate import decode_weights, resolve_decode_weights
+
+    resolved = resolve_decode_weights(weights, device) if weights is not None else "fp32"
+    ref = locate(path, adapter, flag)
+    if ref.kind == "run":
+        loaded = _open_run(ref, str(device))
+    elif ref.kind == "gguf":
+        loaded = _open_gguf(ref, str(device))
+    else:
+        loaded = _open_hf(ref, ref.path, str(device), str(ref.path))
+    if weights is not None:
+        decode_weights(loaded.model, resolved, device)
+        loaded.weights = resolved
+    return loaded

@@ -1,0 +1,194 @@
+"""enlace.load: every kind of model path opens through the one loader and generates what the low-level
+readers it is built on give; a bad path is one line naming it; the sampling defaults live in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import loaders_for, make_folder, tiny_config
+
+from enlace.cli import build_parser, main
+from enlace.config.extra import CHAT, GENERATE, GenerationConfig
+from enlace.config.finetune import FinetuneConfig
+from enlace.errors import CheckpointError, ModelError
+from enlace.generate import generate
+from enlace.hf.folder import load_hf_folder
+from enlace.hf.tokenizer import HFTokenizer
+from enlace.load import Loaded, load_model, locate
+from enlace.model import Llama
+from enlace.text import ByteCodec
+from enlace.train.checkpoint import latest_checkpoint
+from enlace.train.trainer import train
+
+PROMPT = "¿Qué cenamos hoy, mamá?"
+
+
+def greedy(model: torch.nn.Module, ids: list[int], n: int = 8) -> list[int]:
+    return list(generate(model, ids, n, temperature=0.0))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    cfg = tiny_config({"train.max_steps": 2, "train.checkpoint.every": 2})
+    out = tmp_path_factory.mktemp("run") / "pretrain"
+    tr, va = loaders_for(cfg)
+    train(cfg, out, loader=tr, val_loader=va, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    return make_folder(tmp_path_factory.mktemp("hf") / "base")
+
+
+@pytest.fixture(scope="module")
+def adapter(folder, tmp_path_factory) -> Path:
+    from enlace.lora import inject_lora, save_adapter
+
+    model = load_hf_folder(folder)
+    torch.manual_seed(1)
+    for m in inject_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8).values():
+        torch.nn.init.normal_(m.lora_B.weight, std=0.5)  # B starts at zero: make the adapter matter
+    return save_adapter(model, tmp_path_factory.mktemp("ad") / "adapter", str(folder))
+
+
+def test_run_folder_opens_with_its_codec(run_dir):
+    loaded = load_model(run_dir)
+    path, tensors, meta = latest_checkpoint(run_dir / "checkpoints")
+    ref = Llama(loaded.model.cfg)
+    ref.load_state_dict(tensors["model"], strict=False)
+    ids = loaded.encode("Había una vez")
+    assert loaded.ref.kind == "run" and loaded.checkpoint == path and loaded.meta["step"] == meta["step"] == 2
+    assert isinstance(loaded.codec, ByteCodec) and ids == list("Había una vez".encode())
+    assert loaded.chat_template is None and loaded.generation == GenerationConfig()
+    assert loaded.context == 32 and loaded.eos_ids == tuple(ByteCodec().eos_ids)
+    assert greedy(loaded.model, ids) == greedy(ref.eval(), ids)
+    assert "pretraining run" in loaded.source and str(path) in loaded.source
+
+
+def test_hf_folder_opens_with_its_tokenizer_and_template(folder):
+    loaded = load_model(folder)
+    tok = HFTokenizer(folder)
+    ids = loaded.chat_template([{"role": "user", "content": PROMPT}])
+    assert ids == tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    assert loaded.ref.kind == "hf" and loaded.eos_ids == tok.eos_ids and loaded.generation == CHAT
+    assert greedy(loaded.model, ids) == greedy(load_hf_folder(folder), ids)
+    assert loaded.encode(PROMPT) == tok.encode(PROMPT) and loaded.name == "base"
+
+
+def test_adapter_is_merged_in(folder, adapter):
+    from enlace.lora import load_adapter, set_merged
+
+    loaded = load_model(folder, adapter)
+    ref = load_hf_folder(folder)
+    load_adapter(ref, adapter, str(folder))
+    set_merged(ref, True)
+    ids = HFTokenizer(folder).encode(PROMPT)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(x).logits, ref(x).logits)
+        assert (loaded.model(x).logits - load_hf_folder(folder)(x).logits).abs().max() > 1e-3
+    assert greedy(loaded.model, ids) == greedy(ref, ids)
+    assert "with the LoRA adapter" in loaded.source and loaded.name == "base+ad0"
+
+
+def test_lora_run_folder_is_its_base_plus_adapter(folder, adapter, tmp_path):
+    import json
+    import shutil
+
+    run = tmp_path / "finetune"
+    shutil.copytree(adapter, run / "adapter")
+    (run / "checkpoints").mkdir()
+    (run / "config.json").write_text(json.dumps({"config": {"finetune": {"base_model": str(folder)}}}))
+    ref = locate(run)
+    assert (ref.kind, ref.path, ref.adapter) == ("hf", folder, run / "adapter")
+
+
+def test_gguf_file_opens_as_its_folder_does(folder, tmp_path, capsys):
+    from enlace.hf.gguf_export import export_folder_gguf
+
+    gguf = export_folder_gguf(folder, tmp_path / "base.gguf", "f32")
+    loaded = load_model(gguf)
+    ids = loaded.chat_template([{"role": "user", "content": PROMPT}])
+    assert loaded.ref.kind == "gguf" and "imported from GGUF" in loaded.source and loaded.name == "base"
+    assert greedy(loaded.model, ids) == greedy(load_hf_folder(folder), ids)
+    # Through `enlace generate` too: the file and the folder print the same continuation.
+    outs = []
+    for model in (gguf, folder):
+        argv = ["generate", "--model", str(model), "--raw", "Había una vez", "--temperature", "0"]
+        assert main([*argv, "--max-new-tokens", "6", "--weights", "fp32"]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] and outs[0].startswith("Había una vez")
+
+
+def test_decode_weights_are_applied_and_recorded(folder):
+    loaded = load_model(folder, weights="fp32")
+    assert isinstance(loaded, Loaded) and loaded.weights == "fp32"
+    assert next(loaded.model.parameters()).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "make, needle",
+    [
+        (lambda p: p / "missing", "no such folder or file"),
+        (lambda p: (p / "notes.txt").write_text("hola") and p / "notes.txt", "not a folder"),
+        (lambda p: p, "neither a run folder"),
+    ],
+)
+def test_bad_paths_are_one_line_errors_naming_them(tmp_path, make, needle, capsys):
+    bad = make(tmp_path)
+    with pytest.raises(ModelError, match=needle) as e:
+        load_model(bad)
+    assert str(bad) in str(e.value) and "\n" not in str(e.value)
+    for argv in (["generate", "hola", "--model", str(bad)], ["chat", "--model", str(bad)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert needle in err and str(bad) in err and "\n" not in err
+
+
+def test_commands_refuse_a_model_they_cannot_use(run_dir, adapter, capsys):
+    assert main(["chat", "--model", str(run_dir)]) == 2  # a run continues text: it has no tokenizer to chat
+    err = capsys.readouterr().err.strip()
+    assert "export it first" in err and str(run_dir) in err and "\n" not in err
+    assert main(["generate", "hola", "--model", str(run_dir), "--adapter", str(adapter)]) == 2
+    assert "--adapter applies to Hugging Face model folders" in capsys.readouterr().err
+    assert main(["bench-es", str(run_dir)]) == 2
+    assert "export a run first" in capsys.readouterr().err
+    empty = run_dir.parent / "empty"
+    (empty / "checkpoints").mkdir(parents=True, exist_ok=True)
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):
+        load_model(empty)
+
+
+def test_sampling_defaults_come_from_one_place():
+    from enlace.finetune.chat import CHAT_SAMPLING
+
+    chat = build_parser().parse_args(["chat"])
+    gen = build_parser().parse_args(["generate", "hola"])
+    keys = (
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "no_repeat_ngram",
+        "seed",
+    )
+    assert {k: getattr(chat, k) for k in keys} == CHAT.model_dump(include=set(keys))
+    assert {k: getattr(gen, k) for k in keys[:4]} == GENERATE.model_dump(include=set(keys[:4]))
+    assert CHAT_SAMPLING == CHAT.model_dump(include=set(CHAT_SAMPLING))  # serve's request defaults
+    ft = FinetuneConfig(name="x").generation
+    assert ft.model_dump(exclude={"max_new_tokens"}) == CHAT.model_dump(exclude={"max_new_tokens"})
+    assert GENERATE.model_dump(exclude={"max_new_tokens"}) == GenerationConfig().model_dump(
+        exclude={"max_new_tokens"}
+    )
+
+
+def test_served_model_is_built_from_the_loaded_one(folder):
+    from enlace.serve.loader import load_served
+
+    served = load_served(str(folder), None, default=None, weights="fp32")
+    assert served.generation == CHAT and served.encode_chat is not None and served.weights == "fp32"
+    assert served.name == "base" and served.context == load_hf_folder(folder).cfg.seq_len
