@@ -8,8 +8,8 @@ ENLACE's model, since LlamaForCausalLM has neither. ENLACE's side runs the train
 The process has the trainer's CPU allocator setting (enlace.runtime.keep_freed_memory): it applies to the
 whole process, so the peer gets it too.
 
-FLOPs per step: enlace.gpu_check.train_flops_per_token (6 N + 12 L d T per token, attention counted
-non-causal). MFU is against the matmul peak of the same precision, measured robustly in the same run (best
+FLOPs per step: enlace.estimate.train_flops_per_token (6 N + 12 L d T per token, attention counted
+non-causal). MFU (enlace.peak.mfu) is against the matmul peak of the same precision, measured robustly in the same run (best
 of several shapes and repeats, before and after the steps); an MFU above 100% fails the benchmark.
 """
 
@@ -38,6 +38,7 @@ from enlace.config import load_config
 from enlace.config.hardware import HardwareConfig
 from enlace.estimate import train_flops_per_token
 from enlace.model import Llama
+from enlace.peak import mfu
 from enlace.runtime import autocast, keep_freed_memory
 from enlace.train.optim import build_optimizer
 from enlace.train.step import StepSettings, TrainState, make_scaler, train_step
@@ -128,7 +129,7 @@ def bench_shape(name: str, seq: int, batch: int, precision: str, rounds: int, co
         contenders["transformers-compiled"] = make_step(peer_c, peer_opt(peer), x, y, True, hw)
     times = alternate(contenders, rounds=rounds, warmup=2 if compile_too else 1)
     stats = {k: summary(v) for k, v in times.items()}
-    flops = train_flops_per_token(cfg, seq) * batch * seq
+    flops_per_token = train_flops_per_token(cfg, seq)
     for s in stats.values():
         s["tokens_per_s"] = batch * seq / s["median_s"]
     label = f"{name} seq {seq} batch {batch} {precision}"
@@ -145,7 +146,8 @@ def bench_shape(name: str, seq: int, batch: int, precision: str, rounds: int, co
             ),
             flush=True,
         )
-    return {"shape": {"model": name, "seq": seq, "batch": batch}, "precision": precision, "flops_per_step": flops,
+    return {"shape": {"model": name, "seq": seq, "batch": batch}, "precision": precision,
+            "flops_per_step": flops_per_token * batch * seq, "flops_per_token": flops_per_token,
             "stats": stats}  # fmt: skip
 
 
@@ -173,9 +175,8 @@ def main() -> int:
         p, st = r["precision"], r["stats"]
         label = f"pretrain {r['shape']['model']} seq {r['shape']['seq']}"
         for k, s in st.items():
-            s["mfu"] = check_mfu(
-                r["flops_per_step"] / s["median_s"] / (peaks[p]["gflops"] * 1e9), f"{label} {k}", peaks[p]
-            )
+            mfu_k = mfu(s["tokens_per_s"], r["flops_per_token"], peaks[p]["gflops"])
+            s["mfu"] = check_mfu(mfu_k, f"{label} {k}", peaks[p])
         print(f"  MFU {label} {p}: " + ", ".join(f"{k} {v['mfu']:.0%}" for k, v in st.items()), flush=True)
         best = min((k for k in st if k.startswith("enlace")), key=lambda k: st[k]["median_s"])
         r["best"] = best

@@ -23,6 +23,7 @@ from enlace.config import load_config
 from enlace.config.hardware import HardwareConfig
 from enlace.estimate import matmul_weights, train_flops_per_token
 from enlace.model import Llama, fused_lm_loss, rope_cos_sin
+from enlace.peak import mfu
 from enlace.runtime import autocast, keep_freed_memory, resolve_cpu_dtype
 from enlace.train.optim import build_optimizer
 
@@ -54,7 +55,8 @@ def main(argv: list[str]) -> int:
     opt = build_optimizer(model, tcfg.optimizer)
     step = enlace_step(model, model, opt, x, y, hw)
     tokens = batch * seq
-    flops = train_flops_per_token(mcfg, seq) * tokens
+    flops_per_token = train_flops_per_token(mcfg, seq)
+    flops = flops_per_token * tokens
     t_step = median_s(step)
 
     # The parts, each forward + backward as in the step.
@@ -78,7 +80,7 @@ def main(argv: list[str]) -> int:
     t_head, t_attn, t_opt = median_s(head), median_s(attention), median_s(opt.step)
     head_flops = 6 * mcfg.vocab_size * mcfg.d_model * tokens
     print(f"step {batch}x{seq} {precision} eager: {t_step:.3f} s, {tokens / t_step:.0f} tokens/s, "
-          f"{flops / t_step / 1e9:.0f} GFLOP/s = {flops / t_step / 1e9 / peaks[precision]:.0%} of the "
+          f"{flops / t_step / 1e9:.0f} GFLOP/s = {mfu(tokens / t_step, flops_per_token, peaks[precision]):.0%} of the "
           f"{precision} peak ({flops / 1e9:.1f} GFLOP per step, {matmul_weights(mcfg) / 1e6:.2f} M matmul weights)")  # fmt: skip
     print(f"  output head (fused, fwd+bwd): {t_head:.3f} s ({t_head / t_step:.0%}; "
           f"{head_flops / t_head / 1e9:.0f} GFLOP/s)")  # fmt: skip

@@ -173,7 +173,9 @@ def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkey
     result = train(cfg, tmp_path / "runs" / "smoke", progress=False)  # also the eval stage's reference
     m = run_eval(cfg, tmp_path / "runs" / "smoke", tmp_path / "runs" / "eval")["metrics"]
     # Same weights, same windows, same function: the value the trainer logged at its end.
-    assert m["val_loss"] == round(result.val_loss, 6) and m["val_bpb"] == round(result.val_bpb, 6)
+    assert m["val_loss"] == round(result.val["val_loss"], 6) and m["val_bpb"] == round(
+        result.val["val_bpb"], 6
+    )
     assert m["val_tokens"] == m["val_bytes"] == 3 * 4 * 32  # eval_batches x micro_batch_size windows
     assert m["prose_bytes"] == len((PROSE * 4).encode("utf-8")) and m["prose_context"] == 32
     assert m["smoke_val_bpb"] == m["val_bpb"] and m["smoke_prose_bpb"] == m["prose_bpb"]

@@ -53,7 +53,7 @@ def test_resume_is_exact(setup, tmp_path):
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000004")
     shutil.rmtree(tmp_path / "b" / "adapter")
     result = finetune(b, HW, progress=False)
-    assert result.final["step"] == 4
+    assert result.last["step"] == 4
     wa = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
@@ -80,12 +80,12 @@ def test_changed_settings_or_more_steps_give_the_fresh_run(setup, tmp_path, caps
     r = finetune(cfg_for(setup, tmp_path / "b", rank=8), HW, progress=False)
     out = capsys.readouterr().out
     assert "starting fresh" in out and "finetune.rank: 4 -> 8" in out and "resumed from" not in out
-    assert r.final["step"] == 4 and len(list((tmp_path / "b" / "previous").iterdir())) == 1
+    assert r.last["step"] == 4 and len(list((tmp_path / "b" / "previous").iterdir())) == 1
     finetune(cfg_for(setup, tmp_path / "fresh8", rank=8), HW, progress=False)
     assert same(adapter(tmp_path / "b"), adapter(tmp_path / "fresh8"))
     # More steps: resumes from the checkpoint before the cosine decay (after warmup), ends like a straight run.
     r = finetune(cfg_for(setup, tmp_path / "b", rank=8, max_steps=6), HW, progress=False)
-    assert "resumed from" in capsys.readouterr().out and r.final["step"] == 6
+    assert "resumed from" in capsys.readouterr().out and r.last["step"] == 6
     finetune(cfg_for(setup, tmp_path / "fresh6", rank=8, max_steps=6), HW, progress=False)
     assert same(adapter(tmp_path / "b"), adapter(tmp_path / "fresh6"))
 
@@ -188,7 +188,7 @@ def test_stopped_run_resumes_bit_exact(setup, tmp_path):
     and the adapter are the bytes of a straight run."""
     finetune(cfg_for(setup, tmp_path / "a"), HW, progress=False)
     half = finetune(cfg_for(setup, tmp_path / "b"), HW, progress=False, stop_after=3)
-    assert half.final["step"] == 3 and not (tmp_path / "b" / "adapter").exists()
+    assert half.last["step"] == 3 and not (tmp_path / "b" / "adapter").exists()
     finetune(cfg_for(setup, tmp_path / "b"), HW, progress=False)
     a, b = checkpoint_files(tmp_path / "a"), checkpoint_files(tmp_path / "b")
     assert a["step-00000004"] == b["step-00000004"]
@@ -213,7 +213,7 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(setup, tmp_path, monkeyp
     monkeypatch.setattr(ft_train, "sft_forward", nan_on({1}))
     r = finetune(cfg_for(setup, tmp_path / "skip"), HW, progress=False)
     losses = [json.loads(x) for x in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
-    assert r.final["step"] == 4 and r.final["skipped"] == 1 and losses[1]["loss"] != losses[1]["loss"]
+    assert r.last["step"] == 4 and r.last["skipped"] == 1 and losses[1]["loss"] != losses[1]["loss"]
     assert all(torch.isfinite(t).all() for t in adapter(tmp_path / "skip").values())
 
     calls["n"] = 0
@@ -243,4 +243,4 @@ def test_busy_run_folder_is_refused_before_anything_is_written(setup, tmp_path):
     finally:
         os.close(fd)
     r = finetune(cfg_for(setup, out), HW, progress=False)  # the holder gone, the run goes ahead
-    assert r.final["step"] == 4 and (out / "adapter").exists()
+    assert r.last["step"] == 4 and (out / "adapter").exists()

@@ -7,8 +7,9 @@ import torch
 
 from enlace.config.model import ModelConfig
 from enlace.estimate import matmul_weights, train_flops_per_token
-from enlace.gpu_check import main, mfu, resume_check, train_check
+from enlace.gpu_check import main, resume_check, train_check
 from enlace.model import Llama
+from enlace.peak import mfu
 
 TINY = ModelConfig(
     name="t",
@@ -28,8 +29,8 @@ def test_flops_formula() -> None:
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)  # tied embedding once
     assert matmul_weights(TINY) == matmul
     assert train_flops_per_token(TINY, 64) == 6 * matmul + 12 * 2 * 64 * 64
-    # 1000 tokens/s of a 1 GFLOP-per-token model on a 10 TFLOP/s device is 10% MFU
-    assert mfu(1000.0, 1e9, 1e13) == pytest.approx(0.1)
+    # 1000 tokens/s of a 1 GFLOP-per-token model on a 10 TFLOP/s (10,000 GFLOP/s) device is 10% MFU
+    assert mfu(1000.0, 1e9, 1e4) == pytest.approx(0.1)
 
 
 def test_train_loop_memorises_on_cpu() -> None:

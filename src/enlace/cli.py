@@ -18,9 +18,9 @@ COMMAND_MODULES = [
     "enlace.data.commands",
     "enlace.train.commands",
     "enlace.eval.commands",
+    "enlace.hf.commands",
     "enlace.finetune.commands",
     "enlace.serve.commands",
-    "enlace.hf.commands",
     "enlace.ablate.commands",
 ]
 

@@ -1,10 +1,14 @@
-"""General commands: config show/check, hardware check, the memory estimate and `verify` (artifacts)."""
+"""General commands: config show/check, hardware check, the memory estimate, export (a run, or base + LoRA
+adapter merged, to a Hugging Face folder and GGUF) and verify (an artifact against its manifest)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+from . import paths
+from .errors import EnlaceError
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -121,7 +125,6 @@ def _adopt(path: Path) -> None:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from .errors import EnlaceError
     from .manifest import ManifestError, check_export_gguf, has_manifest, verify_artifact
 
     path = Path(args.path)
@@ -146,7 +149,58 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+def _export(args: argparse.Namespace) -> int:
+    from .export import export_merged, export_run
+    from .hf.gguf_export import FILE_TYPES, export_folder_gguf
+
+    if args.gguf_type not in FILE_TYPES:
+        raise EnlaceError(f"--gguf-type {args.gguf_type!r}: choose one of {sorted(FILE_TYPES)}")
+    if (args.model is None) != (args.adapter is None):
+        raise EnlaceError("--model and --adapter go together (a base folder and the LoRA adapter to merge)")
+    from .io import require_folder, sha256_file
+
+    out = require_folder(Path(args.out), "--out")
+    model = None
+    if args.adapter:
+        result = export_merged(Path(args.model), Path(args.adapter), out)
+        model = result.pop("model")
+    else:
+        result = export_run(Path(args.run_dir), out)
+    print(f"wrote {out}: {result['architecture']}, tied embeddings {result['tied_embeddings']}")
+    print(f"tokenizer: {result['tokenizer']}")
+    if args.gguf is not None:
+        gguf = Path(args.gguf) if args.gguf else out.parent / f"{out.name}-{args.gguf_type}.gguf"
+        export_folder_gguf(out, gguf, args.gguf_type, model)
+        result["gguf"] = str(gguf)
+        result["gguf_sha256"] = sha256_file(gguf)
+        print(f"wrote {gguf} ({args.gguf_type}, sha256 {result['gguf_sha256']})")
+    info = Path(out) / "export.json"
+    from .io import atomic_write_json
+
+    atomic_write_json(info, result)
+    return 0
+
+
+def _register_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a run's newest checkpoint (or --model + --adapter merged) as a Hugging Face folder [+ GGUF]",
+    )
+    p.add_argument(
+        "--run-dir", default=str(paths.RUNS / "pretrain"), help="run to export (default runs/pretrain)"
+    )
+    p.add_argument("--out", default=str(paths.RUNS / "export" / "hf"), help="output folder")
+    p.add_argument("--model", default=None, help="with --adapter: the base Hugging Face folder")
+    p.add_argument("--adapter", default=None, help="with --model: a LoRA adapter folder to merge in")
+    p.add_argument(
+        "--gguf", nargs="?", const="", default=None, metavar="PATH",
+        help="also write GGUF (default path: <out>-<type>.gguf beside the folder)",
+    )  # fmt: skip
+    p.add_argument("--gguf-type", default="f16", help="f32, f16 (default), bf16 or q8_0")
+    p.set_defaults(handler=_export)
+
+
+def _register_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
         help="check an artifact (adapter, model folder, tokenizer, GGUF) against its manifest; say where it came from",
@@ -165,6 +219,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     )
     p.set_defaults(handler=_verify)
 
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("config", help="show or validate the resolved config")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     for name, fn, text in (
@@ -181,3 +237,5 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     c = hsub.add_parser("check", parents=[common], help="compare the profile with the real device")
     c.set_defaults(handler=_hardware_check)
     _register_estimate(sub, common)
+    _register_export(sub)
+    _register_verify(sub)

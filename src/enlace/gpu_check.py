@@ -40,6 +40,7 @@ from .config.model import ModelConfig  # noqa: E402
 from .config.train import OptimizerConfig  # noqa: E402
 from .estimate import train_flops_per_token  # noqa: E402
 from .model import Llama, closed_form_num_parameters  # noqa: E402
+from .peak import matmul_peak_gflops, mfu, sync  # noqa: E402
 from .scoring.score import Windows  # noqa: E402
 from .train.optim import build_optimizer  # noqa: E402
 from .train.step import StepSettings, TrainState, make_scaler, train_step  # noqa: E402
@@ -47,30 +48,6 @@ from .train.trainer import lm_forward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SDPA_BACKENDS = ("flash", "efficient", "cudnn", "math")
-
-
-def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak FLOP/s."""
-    return tokens_per_s * flops_per_token / peak_flops
-
-
-def measured_matmul_peak(device: torch.device, dtype: torch.dtype, n: int = 8192, iters: int = 20) -> float:
-    """FLOP/s of a large square matmul: the practical ceiling for MFU on this device and dtype."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        a @ b
-    _sync(device)
-    return 2.0 * n**3 * iters / (time.perf_counter() - t0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _backend_enum(name: str):
@@ -111,7 +88,7 @@ def probe_sdpa(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seq_l
             with sdpa_context(name):
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
                 y.float().sum().backward()
-            _sync(device)
+            sync(device)
             runs[name] = {"ok": True}
         except Exception as e:  # a backend without a kernel raises RuntimeError; record why
             runs[name] = {"ok": False, "error": str(e).splitlines()[0][:300]}
@@ -204,10 +181,10 @@ def train_check(
     t0 = time.perf_counter()
     for i in range(steps):
         if i == warmup:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
         losses.append(st.step(tokens))
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - t0
     timed = steps - warmup
     res: dict[str, Any] = {
@@ -339,80 +316,58 @@ def _profile(name: str) -> HardwareConfig:
     )
 
 
-def run_checks(args: argparse.Namespace) -> dict[str, Any]:
-    # Long: the checks one after another, each guarded; reading it is reading the report's order.
-    import yaml
-
-    from .estimate import estimate_training_memory
-
-    device = torch.device("cuda", 0)
+def _device_report(device: torch.device, cfg: ModelConfig, seq_len: int) -> dict[str, Any]:
+    """The GPU, the software and the model checked: the report's head."""
     props = torch.cuda.get_device_properties(device)
     cc = (props.major, props.minor)
-    native_bf16 = cc >= (8, 0)  # torch.cuda.is_bf16_supported() is True on Turing too (emulated)
-    cfg = ModelConfig.model_validate(
-        yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
-    )
-    seq_len = args.seq_len or cfg.seq_len
-    out: dict[str, Any] = {
+    return {
         "device": {
             "name": props.name,
             "compute_capability": list(cc),
             "memory_gib": round(props.total_memory / 2**30, 2),
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "native_bf16": native_bf16,
+            # torch.cuda.is_bf16_supported() is True on Turing too (emulated): decide by compute capability
+            "native_bf16": cc >= (8, 0),
         },
         "model": cfg.name,
         "parameters": closed_form_num_parameters(cfg),
-        "flops_formula": "6 * N_matmul * tokens + 12 * n_layer * d_model * seq_len * tokens",
+        "flops_formula": (train_flops_per_token.__doc__ or "").splitlines()[0],
         "flops_per_token": train_flops_per_token(cfg, seq_len),
     }
-    checks: dict[str, Any] = {}
-    half = torch.bfloat16 if native_bf16 else torch.float16
-    _guard(checks, "sdpa", lambda: {**probe_sdpa(cfg, device, half, seq_len), "ok": True})
-    works = [n for n, r in checks["sdpa"].get("backends", {}).items() if r.get("ok")]
+
+
+def _train_checks(
+    checks: dict[str, Any],
+    cfg: ModelConfig,
+    device: torch.device,
+    args: argparse.Namespace,
+    seq_len: int,
+    works: list[str],
+) -> None:
+    """Training in fp16 (the rtx2060 profile), bf16 (rtx5090's) where native, and compiled."""
+    from .estimate import estimate_training_memory
+
+    cc = torch.cuda.get_device_capability(device)
+    native_bf16 = cc >= (8, 0)
 
     def pick(preferred: str) -> str | None:
         # The profile's backend if it runs these shapes; otherwise let PyTorch choose and say so.
         return preferred if preferred in works else None
 
-    peaks: dict[str, float] = {}
-    _guard(checks, "matmul_peak", lambda: _peaks(device, native_bf16, peaks))
-
     def estimator(profile: HardwareConfig) -> Callable[[int, int], int]:
         return lambda b, t: estimate_training_memory(cfg, profile, b, t).peak
 
+    def train(dtype: str, profile: HardwareConfig) -> dict[str, Any]:
+        backend = pick(profile.sdpa_backend)
+        return train_check(cfg, device, dtype, backend, args.steps, args.batch, seq_len, estimator(profile))
+
     p2060 = _profile("rtx2060")
-    _guard(
-        checks,
-        "train_fp16",
-        lambda: train_check(
-            cfg,
-            device,
-            "fp16",
-            pick(p2060.sdpa_backend),
-            args.steps,
-            args.batch,
-            seq_len,
-            estimator(p2060.model_copy(update={"sdpa_backend": pick(p2060.sdpa_backend) or "auto"})),
-        ),
-    )
+    p2060 = p2060.model_copy(update={"sdpa_backend": pick(p2060.sdpa_backend) or "auto"})
+    _guard(checks, "train_fp16", lambda: train("fp16", p2060))
     if native_bf16:
-        p5090 = _profile("rtx5090")
-        _guard(
-            checks,
-            "train_bf16",
-            lambda: train_check(
-                cfg,
-                device,
-                "bf16",
-                pick(p5090.sdpa_backend),
-                args.steps,
-                args.batch,
-                seq_len,
-                estimator(p5090.model_copy(update={"min_compute_capability": list(cc)})),
-            ),
-        )
+        p5090 = _profile("rtx5090").model_copy(update={"min_compute_capability": list(cc)})
+        _guard(checks, "train_bf16", lambda: train("bf16", p5090))
     else:
         checks["train_bf16"] = {"ok": None, "skipped": f"sm_{cc[0]}{cc[1]} has no native bf16 (needs sm_80+)"}
     compiled_dtype = "bf16" if native_bf16 else "fp16"
@@ -421,11 +376,31 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
         "train_compiled",
         lambda: train_check(cfg, device, compiled_dtype, None, args.steps, args.batch, seq_len, compile=True),
     )
+
+
+def run_checks(args: argparse.Namespace) -> dict[str, Any]:
+    """The checks one after another, each guarded: the report's order."""
+    import yaml
+
+    device = torch.device("cuda", 0)
+    cfg = ModelConfig.model_validate(
+        yaml.safe_load((ROOT / "configs" / "model" / f"{args.model}.yaml").read_text())
+    )
+    seq_len = args.seq_len or cfg.seq_len
+    out = _device_report(device, cfg, seq_len)
+    native_bf16 = out["device"]["native_bf16"]
+    checks: dict[str, Any] = {}
+    half = torch.bfloat16 if native_bf16 else torch.float16
+    _guard(checks, "sdpa", lambda: {**probe_sdpa(cfg, device, half, seq_len), "ok": True})
+    works = [n for n, r in checks["sdpa"].get("backends", {}).items() if r.get("ok")]
+    peaks: dict[str, float] = {}
+    _guard(checks, "matmul_peak", lambda: _peaks(device, native_bf16, peaks))
+    _train_checks(checks, cfg, device, args, seq_len, works)
     for name in ("train_fp16", "train_bf16"):
         r = checks.get(name, {})
         dt = "fp16" if name == "train_fp16" else "bf16"
         if r.get("tokens_per_s") and peaks.get(dt):
-            r["peak_flops"] = peaks[dt]
+            r["peak_flops"] = peaks[dt] * 1e9
             r["mfu"] = round(mfu(r["tokens_per_s"], out["flops_per_token"], peaks[dt]), 4)
     resume_dtype = "bf16" if native_bf16 else "fp16"
     _guard(
@@ -439,10 +414,10 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _peaks(device: torch.device, native_bf16: bool, peaks: dict[str, float]) -> dict[str, Any]:
-    peaks["fp16"] = measured_matmul_peak(device, torch.float16)
-    if native_bf16:
-        peaks["bf16"] = measured_matmul_peak(device, torch.bfloat16)
-    return {"ok": True, **{f"{k}_tflops": round(v / 1e12, 1) for k, v in peaks.items()}}
+    """The matmul peak (GFLOP/s) of each half precision the GPU runs natively: MFU's denominators."""
+    for precision in ("fp16", "bf16") if native_bf16 else ("fp16",):
+        peaks[precision] = matmul_peak_gflops(precision, repeats=1, device=device)["gflops"]
+    return {"ok": True, **{f"{k}_tflops": round(v / 1e3, 1) for k, v in peaks.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:

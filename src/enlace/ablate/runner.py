@@ -31,7 +31,7 @@ from ..eval.bench_bases import Entry, choice_metrics, load
 from ..eval.bench_es import go_offline
 from ..eval.evaluate import read_prose, score_model_dir
 from ..export import export_run
-from ..peak import PEAK_DTYPES, matmul_peak_gflops, peak_update
+from ..peak import PEAK_DTYPES, matmul_peak_gflops, mfu, peak_update
 from ..runtime import CPUINFO, resolve_run, setup_runtime
 from ..train.checkpoint import latest_checkpoint
 from ..train.metrics import read_jsonl
@@ -155,14 +155,14 @@ def score(run_dir: Path, cfg: Config, prose: str, device: torch.device) -> dict[
     }
 
 
-def mfu(run: dict[str, Any], cfg: Config, peak: dict[str, Any] | None) -> float | None:
+def run_mfu(run: dict[str, Any], cfg: Config, peak: dict[str, Any] | None) -> float | None:
     """Model FLOPs (estimate.train_flops_per_token: 6N + attention, what the bench uses) per second over the
     matmul peak of the run's precision. Optimizer work (Muon's Newton-Schulz) is not model FLOPs: it shows
     as a lower MFU."""
     if peak is None or not run["tokens_per_s"]:
         return None
-    flops = train_flops_per_token(cfg.model, cfg.model.seq_len) * run["tokens_per_s"]
-    return round(flops / (peak["gflops"] * 1e9), 4)
+    flops_per_token = train_flops_per_token(cfg.model, cfg.model.seq_len)
+    return round(mfu(run["tokens_per_s"], flops_per_token, peak["gflops"]), 4)
 
 
 def cpu_model() -> str:
@@ -188,6 +188,7 @@ def machine(dtype: str) -> dict[str, Any]:
 
 
 def measure_peak(dtype: str, device: torch.device) -> dict[str, Any] | None:
+    """The CPU's matmul peak of the runs' precision (peak.py); None on a GPU, whose runs show no MFU."""
     return matmul_peak_gflops(dtype) if device.type == "cpu" and dtype in PEAK_DTYPES else None
 
 
@@ -231,7 +232,7 @@ def run_ablation(
         r = {"variant": variant, "seed": seed, "planned_steps": steps, "wall_s": round(wall, 1)}
         r |= {"overrides": overrides, **score(run_dir, cfg, prose, device)}
         r["stopped_at_budget"] = r["steps"] < steps  # its decay did not finish
-        r["mfu"] = mfu(r, cfg, peak)
+        r["mfu"] = run_mfu(r, cfg, peak)
         log(
             f"{variant} seed {seed}: {r['steps']}/{steps} steps in {wall:.0f} s, prose {r['prose_bpb']:.4f} "
             f"val {r['val_bpb']:.4f} bits/byte"
@@ -249,7 +250,7 @@ def run_ablation(
     if peak is not None:
         peak = peak_update(peak, measure_peak(dtype, device))
         for r in runs:
-            r["mfu"] = mfu(r, sel.config(spec, r["overrides"]), peak)
+            r["mfu"] = run_mfu(r, sel.config(spec, r["overrides"]), peak)
     return {
         "name": spec.name,
         "command": command,

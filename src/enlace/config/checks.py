@@ -6,8 +6,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
 
-if TYPE_CHECKING:  # for annotations only: resolve imports this module, not the other way round
-    from .resolve import Config
+if TYPE_CHECKING:  # for annotations only
+    from .layers import Config
 
 DTYPE_MAX_VOCAB = {"uint16": 65536, "uint32": 2**32}
 

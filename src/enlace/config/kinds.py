@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from ..errors import ConfigError
 from .hardware import CPU_KINDS
-from .resolve import LAYERS, Config, set_dotted
+from .layers import LAYERS, Config, set_dotted
 
 RECIPE_MARK = "(kinds."  # provenance of a value a kind's recipe set: "<hardware file> (kinds.fp32)"
 

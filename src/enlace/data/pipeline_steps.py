@@ -183,7 +183,6 @@ class ExactDedup(PipelineStep):
         yield from ()
 
     def _run(self) -> None:
-        # Long: one streaming pass over the deduplicated documents that counts, caps and splits them; split up, the pass would need its state threaded through.
         heads = [read_keys(self.work, it)[:, :8].copy().view(">u8").ravel() for it in self.items]
         counts = np.array([len(h) for h in heads], dtype=np.int64)
         allh = np.concatenate(heads) if heads else np.zeros(0, dtype=">u8")
@@ -395,11 +394,35 @@ class Finalize(PipelineStep):
 
     def _run(self, docs: Any) -> None:
         d = self.data
+        spill = self.work / "deduped.jsonl"
+        chars, received, caps = self._spill(docs, spill)
+        thresholds = cap_thresholds(d, chars, caps)
+        self.out.mkdir(parents=True, exist_ok=True)
+        writers = {"train": _SplitWriter(self.out, "train"), "val": _SplitWriter(self.out, "val")}
+        counts = self._write_splits(spill, thresholds, writers)
+        spill.unlink()
+        files = {split: w.close() for split, w in writers.items()}
+        if not files["train"]["docs"]:
+            for w in writers.values():
+                w.tmp.unlink(missing_ok=True)
+            raise DataError(f"data config {d.name}: the corpus is empty after cleaning and splitting")
+        manifest = self._manifest(counts, received, files)
+        # The old corpus stays until the new one is complete; the manifest (the "complete" mark) goes last.
+        (self.out / "manifest.json").unlink(missing_ok=True)
+        for w in writers.values():
+            os.replace(w.tmp, w.final)
+        atomic_write_text(self.out / "manifest.json", canonical_json(manifest))
+
+    def _spill(
+        self, docs: Any, spill: Path
+    ) -> tuple[dict[str, int], dict[str, int], dict[str, tuple[array, array]]]:
+        """First pass: the stream to the spill file; each source's characters and documents received, and
+        the cap draws and sizes of the capped sources' documents."""
+        d = self.data
         capped = {s.name for s in d.sources if s.max_fraction is not None}
         chars = {s.name: 0 for s in d.sources}
         received = {s.name: 0 for s in d.sources}
         caps: dict[str, tuple[array, array]] = {n: (array("d"), array("q")) for n in capped}
-        spill = self.work / "deduped.jsonl"
         with open(spill, "w", encoding="utf-8") as f:
             for doc in docs:
                 src, key = doc.metadata["source"], doc.metadata["key"]
@@ -409,17 +432,21 @@ class Finalize(PipelineStep):
                 if src in capped:
                     caps[src][0].append(fraction("cap", key))
                     caps[src][1].append(len(doc.text))
-        thresholds = cap_thresholds(d, chars, caps)
+        return chars, received, caps
+
+    def _write_splits(
+        self, spill: Path, thresholds: dict[str, float], writers: dict[str, _SplitWriter]
+    ) -> dict[str, Any]:
+        """Second pass: caps, the train/val split by parent document, long documents cut into pieces and
+        the weights' repeats; returns per-source counts ("per"), capped drops and content digests."""
+        d, cl = self.data, self.data.cleaning
         weights = {s.name: s.weight for s in d.sources}
-        self.out.mkdir(parents=True, exist_ok=True)
-        writers = {"train": _SplitWriter(self.out, "train"), "val": _SplitWriter(self.out, "val")}
         per = {
             s.name: {"docs": 0, "pieces": 0, "train_docs": 0, "val_docs": 0, "chars": 0, "train_chars": 0}
             for s in d.sources
         }
         dropped = {s.name: 0 for s in d.sources}
         digests = {s.name: hashlib.sha256() for s in d.sources}
-        cl = d.cleaning
         with open(spill, encoding="utf-8") as f:
             for line in f:
                 row = json.loads(line)
@@ -448,12 +475,14 @@ class Finalize(PipelineStep):
                         writers["train"].write(src, key, piece)
                         p["train_docs"] += 1
                         p["train_chars"] += len(piece)
-        spill.unlink()
-        files = {split: w.close() for split, w in writers.items()}
-        if not files["train"]["docs"]:
-            for w in writers.values():
-                w.tmp.unlink(missing_ok=True)
-            raise DataError(f"data config {d.name}: the corpus is empty after cleaning and splitting")
+        return {"per": per, "dropped": dropped, "digests": digests}
+
+    def _manifest(
+        self, counts: dict[str, Any], received: dict[str, int], files: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The corpus manifest: per source (licence, counts, what each dedup step and cap dropped,
+        cleaning statistics), the split files and the totals."""
+        d = self.data
         merge = json.loads((self.work / "merge.json").read_text())
         stats = self._clean_stats()
         sources: dict[str, Any] = {}
@@ -464,14 +493,14 @@ class Finalize(PipelineStep):
                 "license": s.license,
                 "weight": s.weight,
                 "max_fraction": s.max_fraction,
-                **per[s.name],
-                "sha256": digests[s.name].hexdigest(),
+                **counts["per"][s.name],
+                "sha256": counts["digests"][s.name].hexdigest(),
                 "duplicates_dropped": m["duplicates"],
                 "near_duplicates_dropped": m["docs"] - received[s.name],
-                "capped_docs_dropped": dropped[s.name],
+                "capped_docs_dropped": counts["dropped"][s.name],
                 "cleaning": stats[s.name],
             }
-        manifest = {
+        return {
             "name": d.name,
             "config_hash": self.config_hash,
             "val_fraction": d.val_fraction,
@@ -484,11 +513,6 @@ class Finalize(PipelineStep):
                 "val_chars": files["val"]["chars"],
             },
         }
-        # The old corpus stays until the new one is complete; the manifest (the "complete" mark) goes last.
-        (self.out / "manifest.json").unlink(missing_ok=True)
-        for w in writers.values():
-            os.replace(w.tmp, w.final)
-        atomic_write_text(self.out / "manifest.json", canonical_json(manifest))
 
     def _clean_stats(self) -> dict[str, dict[str, int]]:
         out: dict[str, CleanStats] = {s.name: CleanStats() for s in self.data.sources}

@@ -265,64 +265,34 @@ def _restore_interrupted_swap(out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def build_shards(
-    corpus: Path,
-    tokenizer: Path,
-    out: Path,
-    dtype: str,
-    vocab_size: int,
-    tokens_per_shard: int,
-    workers: int | None = None,
-    config_hash: str = "",
-    tasks: int | None = None,
-    executor: ExecutorConfig | None = None,
-    unit_docs: int = UNIT_DOCS,
-) -> dict[str, Any]:
-    """Encode corpus/{train,val}.jsonl into out/{split}-NNNNN.bin and out/manifest.json."""
-    # Long: the shard stage in its order, one place that shows what is reused and what is rewritten.
-    out = Path(out)
-    _restore_interrupted_swap(out)
-    model_file = tokenizer / "tokenizer.model"
-    sp = load_tokenizer(model_file)
-    actual_vocab = sp.vocab_size()
+def _check_tokenizer(model_file: Path, vocab_size: int, dtype: str) -> None:
+    """The tokenizer loads, has the configured vocabulary and its ids fit the shards' dtype."""
+    actual_vocab = load_tokenizer(model_file).vocab_size()
     if actual_vocab != vocab_size:
         raise DataError(
             f"{model_file}: vocab size {actual_vocab} differs from data.tokenizer.vocab_size {vocab_size}"
         )
     if actual_vocab > np.iinfo(np.dtype(dtype)).max + 1:
         raise DataError(f"{model_file}: vocab size {actual_vocab} does not fit {dtype} shards")
-    corpus_manifest = verify_corpus(corpus)
-    model_sha = sha256_file(model_file)
-    executor = executor or ExecutorConfig()
-    if workers is not None or tasks is not None:
-        executor = executor.model_copy(update={"workers": workers, "tasks": tasks or workers})
-    ntasks = executor.tasks or os.cpu_count() or 1
-    t0 = time.perf_counter()
+
+
+def _open_staging(out: Path, key: str) -> Path:
+    """The staging folder beside out, kept (with its finished units) only if it was built from these inputs."""
     staging = out.with_name(f".{out.name}.partial")
-    key = _state_key(corpus_manifest, model_sha, dtype, unit_docs)
     key_file = staging / "state.json"
     if not key_file.exists() or json.loads(key_file.read_text()).get("key") != key:
         shutil.rmtree(staging, ignore_errors=True)  # units of other inputs: start over
         staging.mkdir(parents=True)
         atomic_write_text(key_file, canonical_json({"key": key}))
     shutil.rmtree(staging / "errors", ignore_errors=True)
-    units: list[tuple[str, int, str, int, int, int]] = []
-    for split in ("train", "val"):
-        path = corpus / f"{split}.jsonl"
-        for i, (start, end, lineno) in enumerate(unit_offsets(path, unit_docs)):
-            units.append((split, i, str(path), start, end, lineno))
-    done = _drop_bad_units(staging / "units", [unit_name(s, i) for s, i, *_ in units], dtype)
-    if done:
-        log(f"shard: resuming: {done} of {len(units)} units already encoded")
-    stage = Stage(
-        "encode", [EncodeUnits(units, model_file, dtype, staging)], tasks=max(1, min(ntasks, len(units)))
-    )
-    logs = out.parent / "logs" / "shard" if executor.kind == "local" else Path(executor.logging_dir) / "shard"
-    if done < len(units) and not run_stages([stage], executor, logs):
-        log(f"shard: submitted the encoding to {executor.kind}; run `enlace shard` again when it is done")
-        return {}
-    raise_recorded_errors(staging)
-    # Assemble: unit files in order -> fixed-size shards, in staging/shards, then swap.
+    return staging
+
+
+def _assemble(
+    staging: Path, units: list[tuple[str, int, str, int, int, int]], dtype: str, tokens_per_shard: int
+) -> tuple[Path, dict[str, Any]]:
+    """Unit files in order -> fixed-size shards in staging/shards; returns that folder and each split's
+    counts."""
     new = staging / "shards"
     shutil.rmtree(new, ignore_errors=True)
     new.mkdir()
@@ -342,6 +312,66 @@ def build_shards(
                 counts[k] += c[k]
             writer.write(tokens)
         splits[split] = {**counts, "shards": writer.finish()}
+    return new, splits
+
+
+def _swap_in(new: Path, out: Path, staging: Path) -> None:
+    """The new shards replace out (the old ones moved aside first, deleted last); staging goes."""
+    fsync_dir(new)
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(new, out)
+    fsync_dir(out.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def build_shards(
+    corpus: Path,
+    tokenizer: Path,
+    out: Path,
+    dtype: str,
+    vocab_size: int,
+    tokens_per_shard: int,
+    workers: int | None = None,
+    config_hash: str = "",
+    tasks: int | None = None,
+    executor: ExecutorConfig | None = None,
+    unit_docs: int = UNIT_DOCS,
+) -> dict[str, Any]:
+    """Encode corpus/{train,val}.jsonl into out/{split}-NNNNN.bin and out/manifest.json."""
+    out = Path(out)
+    _restore_interrupted_swap(out)
+    model_file = tokenizer / "tokenizer.model"
+    _check_tokenizer(model_file, vocab_size, dtype)
+    corpus_manifest = verify_corpus(corpus)
+    model_sha = sha256_file(model_file)
+    executor = executor or ExecutorConfig()
+    if workers is not None or tasks is not None:
+        executor = executor.model_copy(update={"workers": workers, "tasks": tasks or workers})
+    ntasks = executor.tasks or os.cpu_count() or 1
+    t0 = time.perf_counter()
+    staging = _open_staging(out, _state_key(corpus_manifest, model_sha, dtype, unit_docs))
+    # Encode: each unit into its own token files (those already encoded and intact are kept).
+    units: list[tuple[str, int, str, int, int, int]] = []
+    for split in ("train", "val"):
+        path = corpus / f"{split}.jsonl"
+        for i, (start, end, lineno) in enumerate(unit_offsets(path, unit_docs)):
+            units.append((split, i, str(path), start, end, lineno))
+    done = _drop_bad_units(staging / "units", [unit_name(s, i) for s, i, *_ in units], dtype)
+    if done:
+        log(f"shard: resuming: {done} of {len(units)} units already encoded")
+    stage = Stage(
+        "encode", [EncodeUnits(units, model_file, dtype, staging)], tasks=max(1, min(ntasks, len(units)))
+    )
+    logs = out.parent / "logs" / "shard" if executor.kind == "local" else Path(executor.logging_dir) / "shard"
+    if done < len(units) and not run_stages([stage], executor, logs):
+        log(f"shard: submitted the encoding to {executor.kind}; run `enlace shard` again when it is done")
+        return {}
+    raise_recorded_errors(staging)
+    # Assemble, write the manifest beside the shards, then swap them in.
+    new, splits = _assemble(staging, units, dtype, tokens_per_shard)
     manifest = {
         "dtype": dtype,
         "vocab_size": vocab_size,
@@ -356,14 +386,7 @@ def build_shards(
         },
     }
     atomic_write_text(new / "manifest.json", canonical_json(manifest))
-    fsync_dir(new)
-    old = out.with_name(f".{out.name}.old")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(new, out)
-    fsync_dir(out.parent)
-    shutil.rmtree(old, ignore_errors=True)
-    shutil.rmtree(staging, ignore_errors=True)
+    _swap_in(new, out, staging)
     elapsed = time.perf_counter() - t0
     ntok = sum(v["tokens"] for v in splits.values())
     log(

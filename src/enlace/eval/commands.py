@@ -185,3 +185,80 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
     p = sub.add_parser("report", help="print the pipeline's metrics and samples")
     p.set_defaults(handler=_report)
+    _register_benchmarks(sub)
+
+
+def _bench_es(args: argparse.Namespace) -> int:
+    from .bench_es import run_bench
+
+    result = run_bench(Path(args.model_dir), Path(args.out) if args.out else None, limit=args.limit)
+    for task, r in result["tasks"].items():
+        print(f"{task:28s} acc {r['acc']:.4f} ± {r['acc_stderr']:.4f}  (n={r['n']})")
+    if args.out:
+        print(f"written to {args.out}")
+    else:
+        print(json.dumps(result["tasks"]))
+    return 0
+
+
+def _bench_bases(args: argparse.Namespace) -> int:
+    from ..finetune.commands import load_finetune_cfg
+    from .bench_bases import Entry, bench_bases, table
+    from .evaluate import read_prose
+
+    cfg = load_finetune_cfg(args)  # the assistant: the selected finetune layer's base and adapter
+    ft = cfg.finetune
+    prose_file = args.prose or "assets/eval/prosa-es.txt"
+    entries = [
+        Entry("ENLACE (pretrained here)", Path(args.own), how="run `make run` (or `dvc repro export`) first"),
+        Entry("SmolLM2-135M-Instruct", paths.SMOLLM2_DIR, how="run `dvc repro import-smollm2`"),
+        Entry("Gemma 3 270M", paths.MODELS / "gemma3-270m", how="run `dvc repro import-gemma3`"),
+        Entry(
+            f"assistant ({Path(ft.base_model).name} + LoRA)",
+            Path(ft.base_model),
+            Path(ft.out) / "adapter",
+            how=f"fine-tune it first (`make assistant`, or `enlace finetune --finetune {ft.name}`)",
+        ),
+    ]
+    rows = bench_bases(
+        entries, read_prose(Path(prose_file)), prose_file, Path(args.assets), Path(args.bench_out), args.limit,
+        args.context,
+    )  # fmt: skip
+    print(table(rows, prose_file), end="")
+    print(f"written to {Path(args.bench_out) / 'metrics.json'} and {Path(args.bench_out) / 'table.md'}")
+    missing = [r["name"] for r in rows if "missing" in r]
+    if missing:
+        print(f"not measured (missing): {', '.join(missing)}")
+    return 0
+
+
+def _register_benchmarks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench-es", help="the project's Spanish benchmark (lm-evaluation-harness, offline)")
+    p.add_argument("model_dir", help="a Hugging Face model folder (e.g. runs/export/hf)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    p.set_defaults(handler=_bench_es)
+
+    from ..finetune.commands import _common as finetune_options
+
+    p = sub.add_parser(
+        "bench-bases",
+        parents=[finetune_options()],
+        help="the bases side by side: bits per byte on the prose yardstick and Spanish minimal pairs, fp32",
+        description="ENLACE's pretrained model, SmolLM2-135M, Gemma 3 270M and the fine-tuned assistant (the "
+        "selected finetune layer's base + runs/finetune/adapter), scored by one code path at fp32: bits per "
+        "byte on the prose yardstick and accuracy on assets/bench_es. A missing model is a row saying how "
+        "to make it.",
+    )
+    p.add_argument("--own", default=str(paths.RUNS / "export" / "hf"), help="ENLACE's exported model folder")
+    p.add_argument("--prose", default=None, help="prose text (default assets/eval/prosa-es.txt)")
+    p.add_argument("--assets", default=str(paths.BENCH_ES), help="minimal pairs and continuations")
+    p.add_argument(
+        "--out",
+        dest="bench_out",
+        default=str(paths.RUNS / "bench_bases"),
+        help="metrics.json and table.md go here",
+    )  # not `out`: that flag is the finetune run folder, where the assistant's adapter is
+    p.add_argument("--limit", type=int, default=None, help="items per set (default: all)")
+    p.add_argument("--context", type=int, default=512, help="tokens per prose window (default 512)")
+    p.set_defaults(handler=_bench_bases)

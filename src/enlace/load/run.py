@@ -18,8 +18,7 @@ def load_trained_model(
     run_dir: Path, device: torch.device | str = "cpu"
 ) -> tuple[Llama, dict[str, Any], Path]:
     """The newest complete checkpoint of a run, as an eval-mode model built from the config it saved."""
-    from ..train.checkpoint import latest_checkpoint
-    from ..train.step import load_model_tensors
+    from ..train.checkpoint import latest_checkpoint, load_model_tensors
 
     found = latest_checkpoint(Path(run_dir) / "checkpoints", device=device)
     if found is None:

@@ -10,8 +10,9 @@ enlace.io.replace_dir), and only then COMPLETE is written (and fsynced). A check
 ignored and later deleted, so a SIGKILL at any instant leaves a complete checkpoint as the latest loadable one.
 Loading verifies COMPLETE (it holds meta.json's sha256) and the sha256 of every file, naming the bad one.
 
-These functions know nothing about models or optimizers: enlace.train.step.TrainState makes the tensor
-groups and metadata that both stages write.
+The writing and loading know nothing about models or optimizers; the last section flattens a model and an
+optimizer into the named tensor groups ("model", "optimizer") and back. enlace.train.step.TrainState makes
+the tensor groups and metadata that both stages write.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from ..errors import CheckpointError
 from ..io import canonical_json, fsync_dir, fsync_file, replace_dir, restore_aside, sha256_file
+from .optim import Optimizer
 
 COMPLETE = "COMPLETE"
 META = "meta.json"
@@ -286,3 +289,74 @@ def latest_checkpoint(
     if errors:
         raise CheckpointError(f"every checkpoint under {root} is corrupted: {'; '.join(errors)}")
     return None
+
+
+# Optimizer group settings that torch keeps as tuples and JSON turns into lists (AdamW's, Muon's).
+TUPLE_KEYS = ("betas", "ns_coefficients")
+
+
+# ---- model and optimizer <-> tensor groups --------------------------------------------------------------
+
+
+def model_tensors(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The weights to save. Tied weights are stored once (safetensors refuses tensors sharing storage);
+    trainable_only keeps just what the optimizer updates (a LoRA adapter on a frozen base)."""
+    if trainable_only:
+        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    state = model.state_dict()
+    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
+        state.pop("lm_head.weight", None)  # the same tensor as model.embed_tokens.weight
+    return dict(state)
+
+
+def load_model_tensors(
+    model: nn.Module, tensors: dict[str, torch.Tensor], trainable_only: bool = False
+) -> None:
+    if trainable_only:
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if set(params) != set(tensors):
+            raise CheckpointError(
+                f"checkpoint does not fit the model: missing {sorted(set(params) - set(tensors))[:5]}, "
+                f"unexpected {sorted(set(tensors) - set(params))[:5]}"
+            )
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(tensors[n])
+        return
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
+    allowed_missing = {"lm_head.weight"} if tied else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint does not fit the model: missing {sorted(set(missing) - allowed_missing)}, "
+            f"unexpected {sorted(unexpected)}"
+        )
+
+
+def param_names(optimizer: Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in state_dict index order (groups in order, params in order)."""
+    return [n for g in optimizer.param_groups for n in g["param_names"]]
+
+
+def optimizer_tensors(optimizer: Optimizer) -> tuple[dict[str, torch.Tensor], list]:
+    """Flatten optimizer state to {"<param name>.<state key>": tensor} plus JSON-able param groups."""
+    names = param_names(optimizer)
+    sd = optimizer.state_dict()
+    flat: dict[str, torch.Tensor] = {}
+    for idx, state in sd["state"].items():
+        for key, value in state.items():
+            flat[f"{names[idx]}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
+    return flat, groups
+
+
+def load_optimizer_tensors(optimizer: Optimizer, flat: dict[str, torch.Tensor], groups: list) -> None:
+    index = {n: i for i, n in enumerate(param_names(optimizer))}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in flat.items():
+        pname, skey = key.rsplit(".", 1)
+        if pname not in index:
+            raise CheckpointError(f"optimizer state for unknown parameter {pname}")
+        state.setdefault(index[pname], {})[skey] = t
+    fixed = [{k: (tuple(v) if k in TUPLE_KEYS else v) for k, v in g.items()} for g in groups]
+    optimizer.load_state_dict({"state": state, "param_groups": fixed})

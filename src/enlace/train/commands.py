@@ -11,14 +11,11 @@ from .. import paths
 def _run(args: argparse.Namespace, stage: str) -> int:
 
     from ..cli import load_cfg
-    from ..runtime import resolve_run
     from . import stages
 
-    # The hardware is resolved once, here: dtype, compile and the CPU kind's recipe (docs/cpu-kinds.md). The
-    # line is status, on stdout as `enlace finetune` prints it: stderr carries errors alone, one line each.
-    resolved = resolve_run(load_cfg(args, stage="smoke" if stage == "smoke" else None))
-    print(resolved.line(), flush=True)
-    cfg = resolved.cfg
+    # The stage resolves the hardware once (dtype, compile and the CPU kind's recipe: docs/cpu-kinds.md) and
+    # prints it, on stdout as `enlace finetune` prints it: stderr carries errors alone, one line each.
+    cfg = load_cfg(args, stage="smoke" if stage == "smoke" else None)
     run_dir = Path(args.run_dir) if args.run_dir else paths.RUNS / stage
     fn = stages.smoke if stage == "smoke" else stages.pretrain
     return fn(cfg, run_dir, progress=not args.no_progress, fresh=args.fresh)

@@ -31,6 +31,11 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_rank() -> int:
+    """This process's rank as torchrun set it, before the process group is joined (0 when alone)."""
+    return int(os.environ.get("RANK", "0")) if env_world_size() > 1 else 0
+
+
 def init_distributed(device_type: str, planned_world_size: int) -> DistInfo:
     """Join the process group torchrun set up; refuse a world size the config did not plan for."""
     world = env_world_size()

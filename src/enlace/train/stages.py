@@ -6,7 +6,6 @@ mid-run checkpoint must reproduce the final weights bit for bit.
 
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import sys
@@ -22,12 +21,12 @@ from ..data.budget import check_budget
 from ..errors import EnlaceError
 from ..estimate import preflight
 from ..io import atomic_write_json, atomic_write_text
-from ..runtime import check_device, resolve_run
+from ..runtime import ResolvedRun, check_device
 from . import dist as D
 from .checkpoint import list_checkpoints
-from .lock import run_dir_lock
+from .loop import RunResult
 from .metrics import plot_loss, read_jsonl
-from .trainer import TrainResult, train
+from .trainer import PretrainRun, open_pretrain, train
 
 # The smoke stage fails unless the final loss is below this fraction of the first step's loss.
 SMOKE_MAX_LOSS_RATIO = 0.8
@@ -37,18 +36,19 @@ class SmokeError(EnlaceError):
     """The smoke run did not learn, or did not resume exactly."""
 
 
-def _prepare(cfg: Config) -> D.DistInfo:
-    # The device check comes before anything touches data or the run directory.
+def _prepare(cfg: Config) -> None:
+    """The stage's checks, on the resolved config, before the process group is joined or anything trains."""
+    # The device check comes before anything touches data or starts the run.
     check_device(cfg.hardware, cfg.files.get("hardware", "hardware profile"))
     # Memory preflight: a step that cannot fit fails now, with the micro-batch that does, not at step 1.
     preflight(cfg)
     # Data budget: refuse a plan that would loop over the data more than data.max_epochs times.
     print(check_budget(cfg, require_data=True).line(), file=sys.stderr)
-    return D.init_distributed(cfg.hardware.device, cfg.train.world_size)
 
 
-def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]:
+def summarise(resolved: ResolvedRun, run_dir: Path, result: RunResult) -> dict[str, Any]:
     """metrics.json and loss.png from the run's log (complete even when this process only resumed)."""
+    cfg, val = resolved.cfg, result.val or {}
     records = read_jsonl(run_dir / "metrics.jsonl")
     train_recs = [r for r in records if "loss" in r]
     speeds = [r["tokens_per_s"] for r in train_recs[1:]]  # the first interval includes start-up
@@ -57,8 +57,8 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
         "steps": result.step,
         "start_loss": train_recs[0]["loss"] if train_recs else None,
         "final_train_loss": train_recs[-1]["loss"] if train_recs else None,
-        "val_loss": result.val_loss,
-        "val_bpb": result.val_bpb,
+        "val_loss": val.get("val_loss"),
+        "val_bpb": val.get("val_bpb"),
         "val_tokens": final_val.get("val_tokens"),  # what the val figures scored
         "val_bytes": final_val.get("val_bytes"),
         "tokens_per_s": round(statistics.median(speeds), 1) if speeds else None,
@@ -67,7 +67,7 @@ def summarise(cfg: Config, run_dir: Path, result: TrainResult) -> dict[str, Any]
         "config_hash": cfg.hash,
         "precision": cfg.hardware.dtype,  # resolved (cpu-auto: bf16 or fp32 by the CPU)
         "compiled": cfg.hardware.compile,  # resolved too (cpu-auto: by the CPU kind)
-        "hardware": resolve_run(cfg).line(),  # the CPU, its kind and the kind's recipe, as the run printed it
+        "hardware": resolved.line(),  # the CPU, its kind and the kind's recipe, as the run printed it
     }
     plot_loss(records, run_dir / "loss.png", title=f"{cfg.model.name} / {cfg.train.name}")
     write_curves(records, run_dir / "curves.csv")
@@ -106,31 +106,23 @@ def verify_resume(cfg: Config, run_dir: Path) -> tuple[bool, int]:
     return exact, int(mid.name.split("-")[1])
 
 
-def main_process() -> bool:
-    """Rank 0 under torchrun (the ranks share one run directory, so only rank 0 takes its lock)."""
-    return os.environ.get("RANK", "0") == "0"
-
-
 def smoke(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
-    # The loop holds the run directory's lock while it trains; the stage holds it on until its summary is
-    # written (the lock is re-entrant within a process).
-    cfg = resolve_run(cfg).cfg  # as the CLI resolved it already; the API's callers get the same
-    with run_dir_lock(run_dir, enabled=main_process()):
-        return _smoke(cfg, Path(run_dir), progress, fresh)
+    # The run directory stays locked until the stage's summary is written.
+    with open_pretrain(cfg, run_dir, announce=True, prepare=_prepare) as run:
+        return _smoke(run, progress, fresh)
 
 
 def pretrain(cfg: Config, run_dir: Path, progress: bool = True, fresh: bool = False) -> int:
-    cfg = resolve_run(cfg).cfg
-    with run_dir_lock(run_dir, enabled=main_process()):
-        return _pretrain(cfg, Path(run_dir), progress, fresh)
+    with open_pretrain(cfg, run_dir, announce=True, prepare=_prepare) as run:
+        return _pretrain(run, progress, fresh)
 
 
-def _smoke(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
-    info = _prepare(cfg)
-    result = train(cfg, run_dir, progress=progress, fresh=fresh)
+def _smoke(run: PretrainRun, progress: bool, fresh: bool) -> int:
+    cfg, run_dir, info = run.cfg, run.ctx.run_dir, run.ctx.info
+    result = run.train(progress=progress, fresh=fresh)
     if result.interrupted:
         return result.exit_code
-    summary = summarise(cfg, run_dir, result)
+    summary = summarise(run.resolved, run_dir, result)
     start, end = summary["start_loss"], summary["final_train_loss"]
     if start is None or end is None or not end < SMOKE_MAX_LOSS_RATIO * start:
         raise SmokeError(
@@ -151,14 +143,14 @@ def _smoke(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
     return 0
 
 
-def _pretrain(cfg: Config, run_dir: Path, progress: bool, fresh: bool) -> int:
-    info = _prepare(cfg)
-    result = train(cfg, run_dir, progress=progress, fresh=fresh)
+def _pretrain(run: PretrainRun, progress: bool, fresh: bool) -> int:
+    run_dir, info = run.ctx.run_dir, run.ctx.info
+    result = run.train(progress=progress, fresh=fresh)
     if result.interrupted:
         D.cleanup(info)
         return result.exit_code
     if info.is_main:
-        summary = summarise(cfg, run_dir, result)
+        summary = summarise(run.resolved, run_dir, result)
         atomic_write_json(run_dir / "metrics.json", summary)
         print(
             f"pretrain: {result.step} steps, train loss {summary['final_train_loss']:.3f}, "

@@ -7,7 +7,7 @@ so loading overlaps the backward pass (nanoGPT's prefetch).
 
 `TrainState` holds everything that decides the next steps: model, optimizer, scaler, counters, the loader's
 state and every RNG (Python, NumPy, torch CPU and CUDA). Its `state_dict` is the one checkpoint layout both
-stages write: tensor groups "model" and "optimizer" plus JSON metadata.
+stages write: tensor groups "model" and "optimizer" (flattened by train/checkpoint.py) plus JSON metadata.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from ..config.hardware import HardwareConfig
 from ..errors import CheckpointError
 from ..runtime import autocast, sdpa_backend
 from . import dist as D
+from .checkpoint import load_model_tensors, load_optimizer_tensors, model_tensors, optimizer_tensors
 from .optim import Optimizer
 
 CHECKPOINT_FORMAT = 2
-# Optimizer group settings that torch keeps as tuples and JSON turns into lists (AdamW's, Muon's).
-TUPLE_KEYS = ("betas", "ns_coefficients")
 
 # forward(model, micro_batch) -> (this micro-batch's share of the step loss, {name: share of a logged part}).
 # The shares are already divided so that summing them over the step's micro-batches gives the step value.
@@ -71,73 +70,6 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(
             torch.frombuffer(bytearray.fromhex(state["cuda"]), dtype=torch.uint8), device
         )
-
-
-# ---- model and optimizer <-> tensor groups --------------------------------------------------------------
-
-
-def model_tensors(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
-    """The weights to save. Tied weights are stored once (safetensors refuses tensors sharing storage);
-    trainable_only keeps just what the optimizer updates (a LoRA adapter on a frozen base)."""
-    if trainable_only:
-        return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    state = model.state_dict()
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        state.pop("lm_head.weight", None)  # the same tensor as model.embed_tokens.weight
-    return dict(state)
-
-
-def load_model_tensors(
-    model: nn.Module, tensors: dict[str, torch.Tensor], trainable_only: bool = False
-) -> None:
-    if trainable_only:
-        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        if set(params) != set(tensors):
-            raise CheckpointError(
-                f"checkpoint does not fit the model: missing {sorted(set(params) - set(tensors))[:5]}, "
-                f"unexpected {sorted(set(tensors) - set(params))[:5]}"
-            )
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(tensors[n])
-        return
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
-    allowed_missing = {"lm_head.weight"} if tied else set()
-    if set(missing) - allowed_missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint does not fit the model: missing {sorted(set(missing) - allowed_missing)}, "
-            f"unexpected {sorted(unexpected)}"
-        )
-
-
-def param_names(optimizer: Optimizer) -> list[str]:
-    """Names of the optimizer's parameters in state_dict index order (groups in order, params in order)."""
-    return [n for g in optimizer.param_groups for n in g["param_names"]]
-
-
-def optimizer_tensors(optimizer: Optimizer) -> tuple[dict[str, torch.Tensor], list]:
-    """Flatten optimizer state to {"<param name>.<state key>": tensor} plus JSON-able param groups."""
-    names = param_names(optimizer)
-    sd = optimizer.state_dict()
-    flat: dict[str, torch.Tensor] = {}
-    for idx, state in sd["state"].items():
-        for key, value in state.items():
-            flat[f"{names[idx]}.{key}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in sd["param_groups"]]
-    return flat, groups
-
-
-def load_optimizer_tensors(optimizer: Optimizer, flat: dict[str, torch.Tensor], groups: list) -> None:
-    index = {n: i for i, n in enumerate(param_names(optimizer))}
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, t in flat.items():
-        pname, skey = key.rsplit(".", 1)
-        if pname not in index:
-            raise CheckpointError(f"optimizer state for unknown parameter {pname}")
-        state.setdefault(index[pname], {})[skey] = t
-    fixed = [{k: (tuple(v) if k in TUPLE_KEYS else v) for k, v in g.items()} for g in groups]
-    optimizer.load_state_dict({"state": state, "param_groups": fixed})
 
 
 # ---- the state --------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ rest: steps, cadence, checkpoints, resume, signals.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from ..config.kinds import applied_recipe
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
 from ..model import Llama
-from ..runtime import resolve_run
+from ..runtime import ResolvedRun, resolve_run
 from ..scoring.score import evaluate, precision
 from . import dist as D
 from . import loop as loop_module
@@ -29,7 +30,7 @@ from . import optim as optim_module
 from . import schedule as schedule_module
 from . import step as step_module
 from .identity import RunIdentity, code_fingerprint, weight_keys
-from .loop import NonFiniteError, RunResult, Setup
+from .loop import NonFiniteError, RunContext, RunResult, Setup
 from .optim import build_optimizer
 from .schedule import lr_at
 from .step import StepOutput, TrainState, seed_everything
@@ -51,28 +52,14 @@ STEP_CODE = (model_module, step_module, loop_module, optim_module, schedule_modu
 # A run's outputs besides its checkpoints, archived with them when a changed run starts fresh.
 RUN_FILES = ("metrics.jsonl", "metrics.json", "loss.png", "curves.csv")
 
-__all__ = ["NonFiniteError", "PretrainTask", "TrainResult", "train"]
-
-
-@dataclass
-class TrainResult:
-    run_dir: Path
-    step: int  # optimizer steps completed
-    end_loss: float | None  # loss of the last step this process ran
-    val_loss: float | None
-    val_bpb: float | None
-    tokens_per_s: float | None
-    skipped: int  # non-finite steps skipped over the whole run
-    interrupted: str | None = None  # "SIGTERM"/"SIGINT" when a signal stopped the run
-    resumed_from: int | None = None
-    exit_code: int = 0  # 128 + the signal number when a signal stopped the run
+__all__ = ["NonFiniteError", "PretrainRun", "PretrainTask", "RunResult", "open_pretrain", "train"]
 
 
 # ---- the task -------------------------------------------------------------------------------------
 
 
 def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIdentity:
-    cfg = resolve_run(cfg).cfg  # the values the run trains with, the CPU kind's included
+    """What decides the weights. cfg: as the run trains with it (resolved: the CPU kind's values included)."""
     d = cfg.to_dict()
     keys = weight_keys({s: d[s] for s in ("model", "data", "train")}, CADENCE_KEYS)
     keys.update(
@@ -196,8 +183,57 @@ class PretrainTask:
     def write_config(self, run_dir: Path) -> None:
         save_resolved(self.cfg, run_dir / "config.json")
 
-    def finish(self, model: torch.nn.Module, run_dir: Path) -> None:
-        pass  # the stage (train/stages.py) summarises the run from its log
+    # No finish hook: the stage (train/stages.py) summarises the run from its log.
+
+
+# ---- the one entry -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PretrainRun:
+    """A pretraining run set up once (open_pretrain): its config as it runs on this machine, its directory
+    locked, the process group joined."""
+
+    resolved: ResolvedRun
+    ctx: RunContext
+
+    @property
+    def cfg(self) -> Config:
+        return self.resolved.cfg
+
+    def train(
+        self,
+        *,
+        loader: Any = None,
+        val_loader: Any = None,
+        stop_after: int | None = None,
+        progress: bool = True,
+        fresh: bool = False,
+    ) -> RunResult:
+        """Pretrain (or resume) up to cfg.train.max_steps; loaders default to data.loaders.make_loader."""
+        task = PretrainTask(self.cfg, loader, val_loader)
+        return loop_module.run(task, self.ctx, fresh=fresh, progress=progress, stop_after=stop_after)
+
+
+@contextmanager
+def open_pretrain(
+    cfg: Config,
+    run_dir: Path,
+    *,
+    announce: bool = False,
+    prepare: Callable[[Config], None] | None = None,
+) -> Iterator[PretrainRun]:
+    """The one entry of a pretraining run: resolve the config for this CPU (runtime.resolve_run: dtype,
+    compile, the CPU kind's recipe), then loop.open_run: lock the run directory, run `prepare` on the
+    resolved config (the stage's preflight), join the process group. announce: print the hardware line
+    first (status, on stdout as `enlace finetune` prints it)."""
+    resolved = resolve_run(cfg)  # a no-op on a resolved config
+    if announce:
+        print(resolved.line(), flush=True)
+    c = resolved.cfg
+    checks = (lambda: prepare(c)) if prepare is not None else None
+    with loop_module.open_run(run_dir, c.hardware, c.train.world_size, checks) as ctx:
+        yield PretrainRun(resolved, ctx)
 
 
 def train(
@@ -209,27 +245,9 @@ def train(
     stop_after: int | None = None,
     progress: bool = True,
     fresh: bool = False,
-) -> TrainResult:
-    """Pretrain (or resume) the run in run_dir up to cfg.train.max_steps."""
-    cfg = resolve_run(cfg).cfg  # a no-op where the caller resolved it (enlace pretrain, smoke)
-    r: RunResult = loop_module.run(
-        PretrainTask(cfg, loader, val_loader),
-        Path(run_dir),
-        cfg.hardware,
-        fresh=fresh,
-        progress=progress,
-        stop_after=stop_after,
-    )
-    val = r.val or {}
-    return TrainResult(
-        run_dir=r.run_dir,
-        step=r.step,
-        end_loss=r.end_loss,
-        val_loss=val.get("val_loss"),
-        val_bpb=val.get("val_bpb"),
-        tokens_per_s=r.last.get("tokens_per_s"),
-        skipped=r.skipped,
-        interrupted=r.interrupted,
-        resumed_from=r.resumed_from,
-        exit_code=r.exit_code,
-    )
+) -> RunResult:
+    """Pretrain (or resume) the run in run_dir up to cfg.train.max_steps: open_pretrain, then train."""
+    with open_pretrain(cfg, run_dir) as run:
+        return run.train(
+            loader=loader, val_loader=val_loader, stop_after=stop_after, progress=progress, fresh=fresh
+        )
