@@ -106,6 +106,9 @@ def test_corrupt_tokenizer_model_is_a_one_line_error(built, tmp_path):
     tok = tmp_path / "tok"
     shutil.copytree(built / "tok", tok)
     (tok / "tokenizer.model").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(DataError, match=r"tokenizer.model: size 80 does not match manifest\.json"):
+        build_shards(built / "corpus", tok, tmp_path / "shards", "uint16", 400, 3000, workers=1)
+    (tok / "manifest.json").unlink()  # a folder from before manifests: sentencepiece's own check
     with pytest.raises(DataError, match="tokenizer.model: not a valid sentencepiece model"):
         build_shards(built / "corpus", tok, tmp_path / "shards", "uint16", 400, 3000, workers=1)
 

@@ -18,7 +18,7 @@ from enlace.config.model import ModelConfig
 from enlace.export import sentencepiece_bundle, write_folder
 from enlace.generate import generate
 from enlace.hf import sp_convert
-from enlace.hf.folder import load_hf_folder, read_state
+from enlace.hf.folder import load_hf_folder, read_state, write_model_manifest
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import import_gguf
 from enlace.load import load_trained_model
@@ -85,6 +85,18 @@ def test_export_loads_in_transformers_without_warnings_and_matches(in_project, c
     mine = list(generate(ours, ids, 12))
     theirs = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert theirs[0, len(ids) :].tolist()[: len(mine)] == mine
+
+
+def test_export_and_tokenizer_carry_manifests_enlace_verify_reads(in_project, capsys):
+    """The export names its run (config hash, checkpoint) and its GGUF's sha256 in export.json is compared."""
+    assert main(["verify", "runs/export/hf"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: runs/export/hf: hf-model" in out and "config_hash: " in out and "checkpoint: " in out
+    assert "hf-f32.gguf: sha256 matches runs/export/hf/export.json" in out
+    assert main(["verify", "runs/export/hf-f32.gguf"]) == 0 and "gguf" in capsys.readouterr().out
+    assert main(["verify", "data/tokenizer"]) == 0
+    out = capsys.readouterr().out
+    assert "ok: data/tokenizer: tokenizer" in out and "tokenizer.model" in out and "report.json" in out
 
 
 def test_tokenizer_json_ids_equal_sentencepiece_on_val_and_edge_cases(in_project):
@@ -354,6 +366,7 @@ def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from enlace.lora import ADAPTER_CONFIG, AdapterError, inject_lora, load_adapter, save_adapter
+    from enlace.manifest import ManifestError
 
     folder = in_project / "runs/export/hf"
     model = load_hf_folder(folder)
@@ -365,10 +378,14 @@ def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
     state = load_file(str(copy / "model.safetensors"))
     state["model.norm.weight"] = state["model.norm.weight"] * 2
     save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ManifestError, match=r"model\.safetensors: sha256 does not match manifest\.json"):
+        load_hf_folder(copy)
+    write_model_manifest(copy, "hf-model")  # now another model, under the same name
     with pytest.raises(AdapterError, match="weights differ"):
         load_adapter(load_hf_folder(copy), tmp_path / "ad", str(copy))
     # Shape mismatches: one short line, every tensor in the file it names.
     cfg = json.loads((tmp_path / "ad" / ADAPTER_CONFIG).read_text())
+    (tmp_path / "ad" / "manifest.json").unlink()  # a hand-edited adapter, as PEFT writes them: no manifest
     (tmp_path / "ad" / ADAPTER_CONFIG).write_text(json.dumps({**cfg, "r": 8}))
     with pytest.raises(AdapterError) as e:
         load_adapter(load_hf_folder(folder), tmp_path / "ad", str(folder))

@@ -136,6 +136,10 @@ def test_wrong_rank_target_or_base_is_refused(folder, tmp_path):
     good = json.loads(cfg_path.read_text())
 
     cfg_path.write_text(json.dumps({**good, "r": 8}))
+    with pytest.raises(EnlaceError, match=r"adapter_config\.json: size .* does not match manifest\.json"):
+        load_adapter(load_hf_folder(folder), tmp_path / "a")
+    # The checks behind the manifest's, on a folder without one (as PEFT writes them).
+    (tmp_path / "a" / "manifest.json").unlink()
     with pytest.raises(EnlaceError, match="wrong shape.*lora_A"):
         load_adapter(load_hf_folder(folder), tmp_path / "a")
 

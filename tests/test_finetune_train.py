@@ -58,6 +58,11 @@ def test_resume_is_exact(setup, tmp_path):
     wb = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
+    ma, mb = (json.loads((tmp_path / x / "adapter" / "manifest.json").read_text()) for x in "ab")
+    # safetensors writes its metadata in hash-map order, so the weights file's bytes (and sha256) may differ.
+    assert ma["files"].keys() == mb["files"].keys() and ma["kind"] == "lora-adapter"
+    assert ma["files"]["adapter_config.json"] == mb["files"]["adapter_config.json"]
+    assert ma["provenance"]["config_hash"] and ma["provenance"]["base_fingerprint"]
     la = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     lb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     strip = [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in la]

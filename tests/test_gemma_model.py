@@ -151,9 +151,9 @@ def test_lora_merged_export_keeps_gemma_and_its_licence(tmp_path):
     base = tmp_path / "base"
     vocab = write_tokenizer(base)
     ours = ours_from(tiny_hf(vocab_size=vocab))
-    save_hf_folder(ours, base, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     for name, text in (("LICENSE.md", "Gemma Terms of Use\n"), ("GEMMA_TERMS.html", "<p>terms</p>\n")):
-        (base / name).write_text(text, encoding="utf-8")
+        (base / name).write_text(text, encoding="utf-8")  # before the folder's manifest, which lists them
+    save_hf_folder(ours, base, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     inject_lora(ours, ALL_TARGETS, rank=4, alpha=8.0)
     torch.manual_seed(5)
     with torch.no_grad():

@@ -1,5 +1,5 @@
 """General commands: config show/check, hardware check, the memory estimate, export (a run, or base + LoRA
-adapter merged, to a Hugging Face folder and GGUF)."""
+adapter merged, to a Hugging Face folder and GGUF) and verify (an artifact against its manifest)."""
 
 from __future__ import annotations
 
@@ -95,6 +95,60 @@ def _register_estimate(sub: argparse._SubParsersAction, common: argparse.Argumen
     p.set_defaults(handler=_estimate)
 
 
+def _adopt(path: Path) -> None:
+    """Write the manifest of an artifact made before manifests existed, with what its files still say."""
+    from .hf.folder import write_model_manifest
+    from .manifest import guess_kind, write_file_manifest, write_manifest
+
+    kind = guess_kind(path)
+    note = {"adopted": "by `enlace verify --write`: the files as found, not checked against their origin"}
+    if path.is_file():
+        write_file_manifest(path, kind, note)
+    elif kind in ("hf-model", "imported-model"):
+        write_model_manifest(path, kind, note)
+    elif kind == "lora-adapter":
+        from safetensors import safe_open
+
+        from .lora import ADAPTER_WEIGHTS, FINGERPRINT_KEY, read_adapter_config
+
+        with safe_open(str(path / ADAPTER_WEIGHTS), framework="pt") as f:
+            fingerprint = (f.metadata() or {}).get(FINGERPRINT_KEY)
+        base = read_adapter_config(path).get("base_model_name_or_path")
+        write_manifest(path, kind, {**note, "base_model": base, "base_fingerprint": fingerprint})
+    else:
+        report = path / "report.json"
+        config_hash = (
+            json.loads(report.read_text(encoding="utf-8")).get("config_hash") if report.is_file() else None
+        )
+        write_manifest(path, kind, {**note, "config_hash": config_hash or None})
+    print(f"adopted {path}: wrote its manifest ({kind})")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .manifest import ManifestError, check_export_gguf, has_manifest, verify_artifact
+
+    path = Path(args.path)
+    if not path.exists():
+        raise EnlaceError(f"{path}: no such file or folder")
+    if not has_manifest(path):
+        if not args.write:
+            raise ManifestError(
+                f"{path}: no manifest (written before manifests existed); `enlace verify {path} --write` adopts it"
+            )
+        _adopt(path)
+    doc = verify_artifact(path)
+    assert doc is not None  # has_manifest held or _adopt wrote one
+    files = sorted(doc["files"])
+    print(f"ok: {path}: {doc['kind']}, written by enlace {doc.get('enlace_version', '?')}")
+    for key, value in sorted(doc.get("provenance", {}).items()):
+        print(f"  {key}: {', '.join(map(str, value)) if isinstance(value, list) else value}")
+    print(f"  files checked (size and sha256): {len(files)}: {', '.join(files)}")
+    gguf = check_export_gguf(path) if path.is_dir() else None
+    if gguf:
+        print(f"  {gguf}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from .export import export_merged, export_run
     from .hf.gguf_export import FILE_TYPES, export_folder_gguf
@@ -146,6 +200,26 @@ def _register_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_export)
 
 
+def _register_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="check an artifact (adapter, model folder, tokenizer, GGUF) against its manifest; say where it came from",
+        description="Checks every file an artifact's manifest lists (size, then sha256) and prints what the "
+        "artifact is and where it came from (kind, base model fingerprint, config hash). A folder's manifest "
+        "is its manifest.json; a GGUF's is the sidecar <file>.manifest.json. A mismatch is one line naming "
+        "the file, exit status 2.",
+    )
+    p.add_argument(
+        "path", help="an artifact folder (runs/finetune/adapter, runs/export/hf, ...) or a GGUF file"
+    )
+    p.add_argument(
+        "--write",
+        action="store_true",
+        help="adopt an artifact written before manifests existed: write its manifest from the files as they are",
+    )
+    p.set_defaults(handler=_verify)
+
+
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("config", help="show or validate the resolved config")
     csub = p.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -164,3 +238,4 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     c.set_defaults(handler=_hardware_check)
     _register_estimate(sub, common)
     _register_export(sub)
+    _register_verify(sub)

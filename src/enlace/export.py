@@ -17,13 +17,16 @@ from typing import Any
 import torch
 
 from . import paths
+from .config.resolve import stable_hash
 from .errors import EnlaceError
 from .hf import sp_convert
 from .hf.config import to_hf_config
-from .hf.folder import WEIGHTS, save_hf_folder
+from .hf.folder import WEIGHTS, save_hf_folder, write_model_manifest
 from .hf.gguf_import import LICENCE_FILES
+from .hf.tokenizer import FILES as TOKENIZER_READS
 from .io import atomic_dir, atomic_write_json, sha256_file
 from .load import check_model_folder, load_model, load_trained_model
+from .manifest import recorded_provenance, verify_manifest
 from .model import Llama
 
 DEFAULT_OUT = paths.RUNS / "export" / "hf"
@@ -82,6 +85,7 @@ def sentencepiece_bundle(tokenizer_dir: Path, seq_len: int, val_texts: list[str]
     model_file = Path(tokenizer_dir) / "tokenizer.model"
     if not model_file.exists():
         raise ExportError(f"{model_file}: not found; run `enlace tokenize` (the run's tokenizer) first")
+    verify_manifest(Path(tokenizer_dir), ["tokenizer.model", "tokenizer.json"])
     saved = Path(tokenizer_dir) / "tokenizer.json"
     if saved.exists():
         tok = Tokenizer.from_file(str(saved))
@@ -131,11 +135,14 @@ def check_run_tokenizer(meta: dict[str, Any], tokenizer_dir: Path, shards: Path)
         )
 
 
-def write_folder(model: Llama, bundle: TokenizerBundle, out: Path) -> Path:
-    """Write the folder aside, reload it and compare logits, then swap it in."""
+def write_folder(
+    model: Llama, bundle: TokenizerBundle, out: Path, provenance: dict[str, Any] | None = None
+) -> Path:
+    """Write the folder aside (manifest.json last, with `provenance`), reload it and compare logits, then
+    swap it in."""
     cfg = model.cfg
     with atomic_dir(Path(out)) as tmp:
-        save_hf_folder(model, tmp, None, bundle.bos_id, bundle.eos_ids or None, bundle.pad_id)
+        save_hf_folder(model, tmp, None, bundle.bos_id, bundle.eos_ids or None, bundle.pad_id, manifest=False)
         bundle.tok.save(str(tmp / "tokenizer.json"))
         atomic_write_json(tmp / "tokenizer_config.json", bundle.config)
         for f in bundle.extra_files:
@@ -145,7 +152,8 @@ def write_folder(model: Llama, bundle: TokenizerBundle, out: Path) -> Path:
                 f"tokenizer has {bundle.tok.get_vocab_size(with_added_tokens=True)} tokens, the model "
                 f"{cfg.vocab_size}; not the run's tokenizer"
             )
-        reloaded = load_model(tmp, flag="export").model  # as every command will open it
+        write_model_manifest(tmp, "hf-model", provenance)
+        reloaded = load_model(tmp, flag="export").model  # as every command will open it (manifest checked)
         ids = torch.arange(min(cfg.seq_len, 16)).unsqueeze(0) % cfg.vocab_size
         with torch.no_grad():
             same = torch.equal(reloaded(ids).logits, model.eval()(ids).logits)
@@ -175,7 +183,8 @@ def export_run(
         texts = [json.loads(line)["text"] for line in val.open(encoding="utf-8")] if val.exists() else []
         bundle = sentencepiece_bundle(tokenizer_dir, cfg.seq_len, texts)
         bundle.extra_files.append(Path(tokenizer_dir) / "tokenizer.model")
-    write_folder(model, bundle, out)
+    info = {"source": "run", "checkpoint": str(ckpt), "step": meta["step"]}
+    write_folder(model, bundle, out, {**info, "config_hash": stable_hash(meta["config"])})
     return {
         "folder": str(out),
         "checkpoint": str(ckpt),
@@ -220,12 +229,21 @@ def export_merged(base: Path, adapter: Path, out: Path) -> dict[str, Any]:
     model = merge_and_unload(load_model(base, adapter).model)
     if model.cfg.tie_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
         raise ExportError("merging untied the embeddings; export aborted")
+    # Everything carried over from the base, checked against its manifest (the weights were, as loaded).
+    verify_manifest(base, [*TOKENIZER_READS, "tokenizer.model", *LICENCE_FILES])
     bundle = folder_bundle(base)
     if (base / "tokenizer.model").exists():
         bundle.extra_files.append(base / "tokenizer.model")
     # Weights derived from a licensed base (Gemma's terms) carry its licence files with them.
     bundle.extra_files += [base / name for name in LICENCE_FILES if (base / name).exists()]
-    write_folder(model, bundle, out)
+    info = {
+        "source": "merged",
+        "base": str(base),
+        "base_fingerprint": recorded_provenance(base).get("fingerprint"),
+        "adapter": str(adapter),
+        "config_hash": recorded_provenance(Path(adapter)).get("config_hash"),
+    }
+    write_folder(model, bundle, out, info)
     return {
         "folder": str(out),
         "base": str(base),

@@ -21,7 +21,8 @@ from torch import nn
 
 from .errors import EnlaceError
 from .hf.folder import content_fingerprint
-from .io import atomic_write_json, write_safetensors
+from .io import atomic_dir, atomic_write_json, write_safetensors
+from .manifest import verify_manifest, write_manifest
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
@@ -186,7 +187,11 @@ def adapter_config(model: nn.Module, base_model: str) -> dict[str, Any]:
     }
 
 
-def save_adapter(model: nn.Module, folder: Path, base_model: str) -> Path:
+def save_adapter(
+    model: nn.Module, folder: Path, base_model: str, provenance: dict[str, Any] | None = None
+) -> Path:
+    """The adapter folder, written aside and swapped in whole, its manifest.json last (`provenance`: more
+    to record there, e.g. the config hash)."""
     folder = Path(folder)
     if any(m.merged for m in lora_modules(model).values()):
         raise AdapterError("unmerge the adapters before saving them")
@@ -196,8 +201,11 @@ def save_adapter(model: nn.Module, folder: Path, base_model: str) -> Path:
     fingerprint = content_fingerprint(Path(base_model))
     if fingerprint:
         meta[FINGERPRINT_KEY] = fingerprint
-    write_safetensors(folder / ADAPTER_WEIGHTS, adapter_state(model), metadata=meta)
-    atomic_write_json(folder / ADAPTER_CONFIG, adapter_config(model, base_model))
+    with atomic_dir(folder) as tmp:
+        write_safetensors(tmp / ADAPTER_WEIGHTS, adapter_state(model), metadata=meta)
+        atomic_write_json(tmp / ADAPTER_CONFIG, adapter_config(model, base_model))
+        info = {"base_model": str(base_model), "base_fingerprint": fingerprint, **(provenance or {})}
+        write_manifest(tmp, "lora-adapter", info)
     return folder
 
 
@@ -223,6 +231,13 @@ def read_adapter_config(folder: Path) -> dict[str, Any]:
     return cfg
 
 
+def check_finite(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse an adapter holding NaN or inf: merged in, it would turn every answer into garbage."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{path}: tensor {key} has non-finite values (NaN or inf); adapter refused")
+
+
 def _same_base(expected: str, recorded: str | None) -> bool:
     # Folders move between machines; their last path component (the model's name) must agree.
     return not recorded or Path(str(recorded).rstrip("/")).name == Path(str(expected).rstrip("/")).name
@@ -231,6 +246,8 @@ def _same_base(expected: str, recorded: str | None) -> bool:
 def load_adapter(model: nn.Module, folder: Path, base_model: str | None = None) -> dict[str, LoraLinear]:
     """Inject adapters per adapter_config.json and load every tensor; anything missing or extra is an error."""
     folder = Path(folder)
+    if folder.is_dir():
+        verify_manifest(folder)  # before anything is read: a changed or corrupt file is refused by name
     cfg = read_adapter_config(folder)
     path = folder / ADAPTER_WEIGHTS
     if not path.exists():
@@ -249,6 +266,7 @@ def load_adapter(model: nn.Module, folder: Path, base_model: str | None = None) 
                 f"{folder}: adapter was trained on {cfg.get('base_model_name_or_path')!r}, not on {base_model!r}"
             )
     tensors = load_file(str(path))
+    check_finite(tensors, path)
     wrapped = inject_lora(model, cfg["target_modules"], int(cfg["r"]), float(cfg["lora_alpha"]), 0.0)
     expected = {f"{PEFT_PREFIX}{n}.lora_{ab}.weight": (n, ab) for n in wrapped for ab in "AB"}
     # PEFT writes the adapter name into keys only when it is not "default"; accept ".default" too.

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DataError
+from .manifest import verify_manifest
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SentencePieceCodec:
             raise DataError(
                 f"{model_file}: tokenizer not found; run `enlace tokenize` (or `dvc repro tokenize`) first"
             )
+        verify_manifest(Path(model_file).parent, [Path(model_file).name])
         self.sp = spm.SentencePieceProcessor(model_file=str(model_file))
         self.eos_ids = (self.sp.eos_id(),) if self.sp.eos_id() >= 0 else ()
 

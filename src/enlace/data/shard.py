@@ -31,6 +31,7 @@ from .. import paths
 from ..config.data import ExecutorConfig
 from ..errors import DataError
 from ..io import atomic_write_text, canonical_json, fsync_dir, sha256_file
+from ..manifest import verify_manifest
 from .engine import Stage, run_stages
 from .pipeline_steps import raise_recorded_errors, record_error
 from .tokenize import EOS_ID
@@ -48,6 +49,7 @@ def load_tokenizer(model_file: Path) -> Any:
     if key not in _SP:
         if not model_file.exists():
             raise DataError(f"{model_file}: not found; run `enlace tokenize` first")
+        verify_manifest(model_file.parent, [model_file.name])
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[var] = "1"  # one thread per task: busy-waiting collapses when tasks share cores
         import sentencepiece as spm

@@ -6,9 +6,7 @@ import hashlib
 import heapq
 import itertools
 import json
-import os
 import re
-import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -18,7 +16,8 @@ from .. import paths
 from ..config.data import TokenizerConfig
 from ..errors import DataError
 from ..hf.sp_convert import convert as convert_tokenizer
-from ..io import atomic_write_text, canonical_json, fsync_file, sha256_file
+from ..io import atomic_dir, atomic_write_text, canonical_json, fsync_file, sha256_file
+from ..manifest import write_manifest
 from .util import log, progress
 
 # Peak memory of training, per byte of the sentences trained on (the sample), an upper bound from runs on
@@ -248,7 +247,7 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
     """Train on corpus/train.jsonl, write out/tokenizer.model, tokenizer.vocab, report.json.
 
     The previous tokenizer stays in place until the new one is complete: everything is written in a
-    temporary folder beside `out`, then moved in (report.json, the "complete" mark, last).
+    temporary folder beside `out`, manifest.json last, and the folder replaces `out` whole (io.atomic_dir).
     """
     # Long: train, write and swap in the tokenizer in order; the temporary folder moves in only at the end.
     t0 = time.perf_counter()
@@ -265,8 +264,7 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
         )
     stages = progress(total=3, desc="tokenizer", unit="stage")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{out.name}.tmp-", dir=out.parent) as tmp_name:
-        tmp = Path(tmp_name)
+    with atomic_dir(out) as tmp:
         prep = {"docs": 0, "lines": 0, "long_lines_split": 0, "pieces_from_long_lines": 0}
         text_bytes = [0]
 
@@ -306,12 +304,11 @@ def build_tokenizer(cfg: TokenizerConfig, corpus: Path, out: Path, config_hash: 
             "val": ev,
             "tokenizer_json": hf_check,
         }
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "report.json").unlink(missing_ok=True)
         for name in ("tokenizer.model", "tokenizer.vocab", "tokenizer.json"):
             fsync_file(tmp / name)
-            os.replace(tmp / name, out / name)
-        atomic_write_text(out / "report.json", canonical_json(report))
+        atomic_write_text(tmp / "report.json", canonical_json(report))
+        info = {"config_hash": config_hash or None, "type": cfg.type, "vocab_size": cfg.vocab_size}
+        write_manifest(tmp, "tokenizer", info)  # last; then the whole folder replaces the old one
     lines = prep["lines"] or 1
     sample = text_bytes[0] * min(1.0, (cfg.input_sentence_size or lines) / lines)
     log(

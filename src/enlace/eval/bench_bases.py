@@ -54,6 +54,12 @@ def start_ids(tok: Any) -> list[int]:
 def load(entry: Entry) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..manifest import verify_manifest
+
+    # transformers and PEFT read the files themselves: check them against their manifests first.
+    for folder in (entry.folder, entry.adapter):
+        if folder is not None:
+            verify_manifest(Path(folder))
     tok = AutoTokenizer.from_pretrained(entry.folder)
     model = AutoModelForCausalLM.from_pretrained(entry.folder, dtype=torch.float32)
     if entry.adapter is not None:

@@ -21,6 +21,7 @@ from .. import model as model_module
 from ..config import Config, save_resolved
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
+from ..config.resolve import stable_hash
 from ..hf import folder as hf_module
 from ..io import sha256_file
 from ..load import load_model
@@ -202,7 +203,11 @@ class FinetuneTask:
             save_resolved(self.resolved, run_dir / "config.json")
 
     def finish(self, model: torch.nn.Module, run_dir: Path) -> None:
-        save_adapter(model, run_dir / "adapter", self.cfg.base_model)
+        # The manifest records what made the adapter: the whole resolved config's hash when there is one.
+        cfg_hash = (
+            self.resolved.hash if self.resolved is not None else stable_hash(self.cfg.model_dump(mode="json"))
+        )
+        save_adapter(model, run_dir / "adapter", self.cfg.base_model, {"config_hash": cfg_hash})
         print(f"adapter written to {run_dir / 'adapter'}", flush=True)
 
 

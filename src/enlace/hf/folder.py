@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
 
 from ..errors import EnlaceError
 from ..io import atomic_write_json, write_safetensors
+from ..manifest import hash_folder, verify_manifest, write_manifest
 from ..model import Llama
 from .config import from_hf_config, to_hf_config
 from .state_dict_adapter import WeightsError, from_hf, to_hf
@@ -42,6 +43,10 @@ def weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX).exists():
         index = json.loads((folder / INDEX).read_text(encoding="utf-8"))
         names = sorted(set(index["weight_map"].values()))
+        for n in names:
+            p = PurePosixPath(str(n))
+            if p.is_absolute() or ".." in p.parts or "\\" in str(n) or not str(n).strip():
+                raise WeightsError(f"{folder / INDEX}: shard name {n!r} leaves the folder; refused")
         missing = [n for n in names if not (folder / n).exists()]
         if missing:
             raise WeightsError(f"{folder / INDEX}: shards missing: {missing}")
@@ -50,9 +55,12 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def read_state(folder: Path, dtype: torch.dtype | None = torch.float32) -> dict[str, torch.Tensor]:
-    """All tensors of the folder, converted to dtype (None keeps the stored one)."""
+    """All tensors of the folder, converted to dtype (None keeps the stored one), verified against the
+    folder's manifest first."""
     state: dict[str, torch.Tensor] = {}
-    for f in weight_files(folder):
+    files = weight_files(folder)
+    verify_manifest(folder, [INDEX, *(f.name for f in files)])
+    for f in files:
         with safe_open(str(f), framework="pt") as sf:
             for k in sf.keys():
                 if k in state:
@@ -84,6 +92,7 @@ def load_hf_folder(
 ) -> Llama:
     """Our Llama with the folder's weights (bf16/fp16 checkpoints become `dtype`, fp32 by default)."""
     folder = Path(folder)
+    verify_manifest(folder, ["config.json"])  # the weights are verified as read_state reads them
     cfg = from_hf_config(read_config(folder), str(folder / "config.json"), name=folder.name)
     model = build_model(cfg, read_state(folder, dtype), str(folder), device)
     return model.eval()
@@ -96,10 +105,12 @@ def save_hf_folder(
     bos_token_id: int | None = None,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
+    manifest: bool = True,
 ) -> Path:
     """Write a folder transformers (and load_hf_folder) can load; tokenizer files are copied if given.
 
     Several eos ids (text end and chat-turn end) all go to generation_config.json; config.json holds the first.
+    `manifest`: write manifest.json last (off for a caller that adds files and writes it itself).
     """
     folder = Path(folder)
     state = to_hf(model.cfg, model.state_dict())  # safetensors refuses the shared tied head
@@ -115,12 +126,22 @@ def save_hf_folder(
             src = Path(tokenizer_dir) / name
             if src.exists() and src.resolve() != (folder / name).resolve():
                 shutil.copyfile(src, folder / name)
+    if manifest:
+        write_model_manifest(folder, "hf-model")
     return folder
 
 
-def content_fingerprint(folder: Path) -> str | None:
+def write_model_manifest(folder: Path, kind: str, provenance: dict | None = None) -> dict:
+    """manifest.json of a model folder, with the content fingerprint adapters record of their base."""
+    files = hash_folder(folder)
+    sums = {name: entry["sha256"] for name, entry in files.items()}
+    fingerprint = content_fingerprint(folder, sums)  # from the sums just taken: no second read
+    return write_manifest(folder, kind, {**(provenance or {}), "fingerprint": fingerprint}, files)
+
+
+def content_fingerprint(folder: Path, sums: dict[str, str] | None = None) -> str | None:
     """sha256 over config.json and every weight file: the same model wherever (and under whatever name) it
-    is copied. None when the folder is not a model folder."""
+    is copied. None when the folder is not a model folder. `sums`: sha256 already known, by file name."""
     import hashlib
 
     from ..io import sha256_file
@@ -134,5 +155,6 @@ def content_fingerprint(folder: Path) -> str | None:
         return None
     h = hashlib.sha256()
     for f in files:
-        h.update(f"{f.name}:{sha256_file(f)}\n".encode())
+        digest = (sums or {}).get(f.relative_to(folder).as_posix()) or sha256_file(f)
+        h.update(f"{f.name}:{digest}\n".encode())
     return h.hexdigest()

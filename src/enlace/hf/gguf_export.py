@@ -20,6 +20,7 @@ import torch
 
 from ..errors import EnlaceError
 from ..io import fsync_file
+from ..manifest import recorded_provenance, sidecar, verify_manifest, write_file_manifest
 from ..model import Llama
 from . import gguf_gemma, sp_convert
 from .state_dict_adapter import gguf_arch, to_gguf
@@ -208,10 +209,23 @@ def write_gguf(
 
 
 def export_folder_gguf(folder: Path, path: Path, ftype: str = "f16", model: Llama | None = None) -> Path:
-    """A Hugging Face folder written by `enlace export` (or any byte-level-BPE Llama folder) as GGUF."""
+    """A Hugging Face folder written by `enlace export` (or any byte-level-BPE Llama folder) as GGUF, with
+    its sidecar manifest (`<path>.manifest.json`: the type and the folder it came from)."""
+    folder = Path(folder)
+    verify_manifest(
+        folder, ["tokenizer.json", "tokenizer.model", "tokenizer_config.json", "generation_config.json"]
+    )
+    sidecar(path).unlink(missing_ok=True)  # the old file's manifest must not vouch for the new file
+    path = _folder_gguf(folder, path, ftype, model)
+    recorded = recorded_provenance(folder)
+    source = {"ftype": ftype, "source_folder": str(folder), "source_fingerprint": recorded.get("fingerprint")}
+    write_file_manifest(path, "gguf", {**source, "config_hash": recorded.get("config_hash")})
+    return path
+
+
+def _folder_gguf(folder: Path, path: Path, ftype: str, model: Llama | None) -> Path:
     from .folder import load_hf_folder, read_config
 
-    folder = Path(folder)
     model = model if model is not None else load_hf_folder(folder)
     tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     if gguf_arch(model.cfg) == "gemma3":

@@ -21,10 +21,11 @@ import torch
 
 from ..errors import DataError, EnlaceError
 from ..io import atomic_dir, atomic_write_json, sha256_file, write_safetensors
+from ..manifest import MANIFEST, verify_file
 from ..paths import GEMMA3_DIR, PYPI_CACHE, SMOLLM2_DIR
 from . import gguf_gemma, sp_convert
 from .config import UnsupportedModelError, from_hf_config
-from .folder import build_model
+from .folder import build_model, write_model_manifest
 from .state_dict_adapter import from_gguf
 
 
@@ -368,9 +369,17 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def import_gguf(gguf_path: Path, out: Path, extra_files: dict[str, bytes] | None = None) -> Path:
+def import_gguf(
+    gguf_path: Path,
+    out: Path,
+    extra_files: dict[str, bytes] | None = None,
+    source: dict[str, Any] | None = None,
+) -> Path:
     """Convert one GGUF file into a Hugging Face folder at `out` (written atomically as a whole, with
-    extra_files, e.g. a licence, inside)."""
+    extra_files, e.g. a licence, inside, and manifest.json last).
+
+    A GGUF with a sidecar manifest (ENLACE's export) is checked against it first; `source`: where a GGUF the
+    caller has already checked by sha256 came from (the packaged wheels), recorded in the manifest."""
     from gguf import GGUFReader
 
     gguf_path = Path(gguf_path)
@@ -380,6 +389,7 @@ def import_gguf(gguf_path: Path, out: Path, extra_files: dict[str, bytes] | None
         magic = f.read(4)
     if magic != b"GGUF":
         raise EnlaceError(f"--gguf {gguf_path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    checked = verify_file(gguf_path, warn=source is None)
     try:
         reader = GGUFReader(str(gguf_path))
     except (ValueError, OSError, IndexError, KeyError) as e:
@@ -409,11 +419,15 @@ def import_gguf(gguf_path: Path, out: Path, extra_files: dict[str, bytes] | None
         atomic_write_json(tmp / "generation_config.json", gen)
         for name, data in (extra_files or {}).items():
             (tmp / name).write_bytes(data)
+        digest = checked["files"][gguf_path.name]["sha256"] if checked else sha256_file(gguf_path)
+        origin = source or {"gguf": gguf_path.name, "gguf_sha256": digest}
+        write_model_manifest(tmp, "imported-model", origin)
     return Path(out)
 
 
 def is_complete(folder: Path, extra: tuple[str, ...] = ()) -> bool:
-    return all((Path(folder) / f).exists() for f in (*FOLDER_FILES, *extra))
+    """Every file there, the manifest included (a folder imported before manifests is imported again)."""
+    return all((Path(folder) / f).exists() for f in (*FOLDER_FILES, *extra, MANIFEST))
 
 
 def import_smollm2(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, force: bool = False) -> Path:
@@ -421,7 +435,7 @@ def import_smollm2(out: Path = DEFAULT_OUT, cache: Path = DEFAULT_CACHE, force: 
     if is_complete(out) and not force:
         return Path(out)
     gguf_path = extract_gguf(fetch_wheel(SMOLLM2, cache), SMOLLM2, cache)
-    return import_gguf(gguf_path, out)
+    return import_gguf(gguf_path, out, source=wheel_source(SMOLLM2, SMOLLM2.gguf_sha256, [SMOLLM2]))
 
 
 def import_gemma3(out: Path = GEMMA3_DIR, cache: Path = DEFAULT_CACHE, force: bool = False) -> Path:
@@ -430,7 +444,19 @@ def import_gemma3(out: Path = GEMMA3_DIR, cache: Path = DEFAULT_CACHE, force: bo
     if is_complete(out, LICENCE_FILES) and not force:
         return Path(out)
     licence = licence_files(GEMMA3_270M, cache)
-    return import_gguf(assemble_gguf(GEMMA3_270M, cache), out, extra_files=licence)
+    src = GEMMA3_270M
+    origin = wheel_source(src, src.gguf_sha256, [src.meta, *src.chunks])
+    return import_gguf(assemble_gguf(src, cache), out, extra_files=licence, source=origin)
+
+
+def wheel_source(src: WheelSource | ChunkedSource, gguf_sha256: str, wheels: list[WheelSource]) -> dict:
+    """What an imported folder's manifest records of the packaged GGUF: the file and the wheels it came in."""
+    name = src.name if isinstance(src, ChunkedSource) else Path(src.member).name
+    return {
+        "gguf": name,
+        "gguf_sha256": gguf_sha256,
+        "wheels": [f"{w.package}=={w.version} (sha256 {w.wheel_sha256})" for w in wheels],
+    }
 
 
 # What `enlace import-gguf --base NAME` builds, and where by default.

@@ -11,8 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EnlaceError
+from ..manifest import verify_manifest
 
 Message = dict[str, str]
+# What HFTokenizer reads, checked against the folder's manifest.json before it reads them.
+FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
 
 def _token_str(value: Any) -> str | None:
@@ -48,6 +51,7 @@ class HFTokenizer:
         path = folder / "tokenizer.json"
         if not path.exists():
             raise EnlaceError(f"{path}: not found (only fast tokenizers, tokenizer.json, are supported)")
+        verify_manifest(folder, FILES)
         self.folder = folder
         self.tok = Tokenizer.from_file(str(path))
         cfg_path = folder / "tokenizer_config.json"
