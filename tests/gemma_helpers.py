@@ -19,7 +19,8 @@ import torch
 
 from enlace.config.model import ModelConfig
 from enlace.hf import gguf_gemma, sp_convert
-from enlace.hf.config import GEMMA3_SWITCHES
+from enlace.hf.arch.gemma3 import NAME as GEMMA3
+from enlace.hf.arch.gemma3 import SWITCHES as GEMMA3_SWITCHES
 from enlace.hf.folder import save_hf_folder
 from enlace.hf.gguf_import import tokenizer_config
 from enlace.model import Llama
@@ -70,8 +71,8 @@ def gemma_meta(vocab_size: int = 300) -> dict:
         "tokenizer.ggml.unknown_token_id": 3,
         "tokenizer.ggml.padding_token_id": 0,
         "tokenizer.ggml.add_bos_token": True,
-        "general.architecture": gguf_gemma.ARCH,
-        f"{gguf_gemma.ARCH}.context_length": 256,
+        "general.architecture": GEMMA3,
+        f"{GEMMA3}.context_length": 256,
     }
 
 

@@ -10,8 +10,8 @@ from helpers import CHATML, SENTENCES, llamacpp_permute, make_folder
 from safetensors.torch import load_file, save_file
 
 from enlace.errors import EnlaceError
+from enlace.hf.arch.llama import permute_qk, unpermute_qk
 from enlace.hf.folder import load_hf_folder, save_hf_folder
-from enlace.hf.state_dict_adapter import permute_qk, unpermute_qk
 from enlace.hf.tokenizer import HFTokenizer
 from enlace.model import Llama
 

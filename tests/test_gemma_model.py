@@ -11,7 +11,7 @@ import torch
 
 from enlace.config.model import ModelConfig
 from enlace.generate import generate
-from enlace.hf.config import from_hf_config, to_hf_config
+from enlace.hf.arch import for_config, from_hf_config, to_hf_config
 from enlace.hf.folder import build_model, load_hf_folder, save_hf_folder
 from enlace.model import KVCache, Llama, closed_form_num_parameters
 
@@ -175,9 +175,8 @@ def test_gguf_export_refuses_an_attention_scale_llama_cpp_cannot_state(pair, tmp
     """llama.cpp's gemma3 hard-codes 1/sqrt(head_dim); this model's query_pre_attn_scalar is 24, head_dim 16.
     (GGUF export of Gemma 3 itself: tests/test_llama_cpp.py.)"""
     from enlace.hf.gguf_export import GGUFExportError, write_gguf
-    from enlace.hf.state_dict_adapter import gguf_arch
 
-    assert gguf_arch(pair[1].cfg) == "gemma3"
+    assert for_config(pair[1].cfg).name == "gemma3"
     n = pair[1].cfg.vocab_size
     vocab = {"model": "llama", "pre": "default", "tokens": [f"t{i}" for i in range(n)], "types": [1] * n,
              "scores": [0.0] * n, "add_space_prefix": False}  # fmt: skip
@@ -188,7 +187,7 @@ def test_gguf_export_refuses_an_attention_scale_llama_cpp_cannot_state(pair, tmp
 
 def test_qwen3_is_not_mistaken_for_a_partial_gemma():
     """QK-norm alone is Qwen3 (exported as such); a Gemma switch without the others is refused by name."""
-    from enlace.hf.config import UnsupportedModelError
+    from enlace.errors import UnsupportedModelError
 
     base = dict(name="t", vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=16)
     assert to_hf_config(ModelConfig(**base, qk_norm=True))["model_type"] == "qwen3"

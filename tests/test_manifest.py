@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from enlace.hf.state_dict_adapter import WeightsError
 from helpers import make_folder
 
 from enlace.cli import main
@@ -21,7 +22,6 @@ from enlace.errors import EnlaceError
 from enlace.hf.folder import INDEX, load_hf_folder, save_hf_folder, write_model_manifest
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import import_gguf
-from enlace.hf.state_dict_adapter import WeightsError
 from enlace.hf.tokenizer import HFTokenizer
 from enlace.lora import ADAPTER_WEIGHTS, AdapterError, inject_lora, load_adapter, save_adapter
 from enlace.manifest import MANIFEST, ManifestError, sidecar, verify_manifest

@@ -29,3 +29,15 @@ class HardwareError(EnlaceError):
 
 class ModelError(EnlaceError):
     """A model path cannot be opened: missing, or none of the kinds ENLACE loads (enlace.load)."""
+
+
+class UnsupportedModelError(EnlaceError):
+    """The checkpoint uses a feature our Llama does not implement; loading it would give wrong logits."""
+
+
+class WeightsError(EnlaceError):
+    """A checkpoint's tensors do not match the model its config describes."""
+
+
+class GGUFExportError(EnlaceError):
+    """The model or its tokenizer cannot be written as GGUF."""

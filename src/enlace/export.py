@@ -20,7 +20,7 @@ from . import paths
 from .config.resolve import stable_hash
 from .errors import EnlaceError
 from .hf import sp_convert
-from .hf.config import to_hf_config
+from .hf.arch import for_config
 from .hf.folder import WEIGHTS, save_hf_folder, write_model_manifest
 from .hf.gguf_import import LICENCE_FILES
 from .hf.tokenizer import FILES as TOKENIZER_READS
@@ -59,12 +59,8 @@ class TokenizerBundle:
 
 
 def architecture(model_cfg) -> str:
-    hf = to_hf_config(model_cfg)
-    if hf["model_type"] == "gemma3_text":
-        return f"{hf['architectures'][0]} (Gemma 3: sandwich norms, GeGLU, QK-norm, local/global attention)"
-    if model_cfg.qk_norm:
-        return f"{hf['architectures'][0]} (qk_norm on: transformers' Qwen3 has the per-head q/k RMSNorm)"
-    return f"{hf['architectures'][0]} (qk_norm off)"
+    arch = for_config(model_cfg)
+    return f"{arch.hf_architecture} ({arch.summary})"
 
 
 def byte_bundle(seq_len: int) -> TokenizerBundle:

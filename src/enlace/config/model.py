@@ -27,7 +27,7 @@ class ModelConfig(Strict):
     dropout: StrictFloat = Field(default=0.0, ge=0, lt=1)
     init_std: StrictFloat = Field(default=0.02, gt=0)
     # Gemma 3 switches. Every default is the Llama computation, so existing configs and checkpoints stay as
-    # they were; imported Gemma checkpoints set them (hf/config.py reads them from config.json).
+    # they were; imported Gemma checkpoints set them (hf/arch/gemma3.py reads them from config.json).
     # Gemma 3 270M has 4 heads of 256 on a width of 640: head_dim is stated, not derived. null: d_model/n_head.
     attn_head_dim: StrictInt | None = Field(default=None, gt=0)
     # Gemma's RMSNorm scales by (1 + weight): weights are stored as offsets from 1 (and initialised to 0).

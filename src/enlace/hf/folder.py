@@ -1,6 +1,6 @@
 """Hugging Face folders <-> our Llama: config.json plus model.safetensors (or a sharded index).
 
-Names and the tied head are state_dict_adapter's business; this file reads and writes the files.
+Names and the tied head are the architecture's business (hf/arch/); this file reads and writes the files.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import safe_open
 
-from ..errors import EnlaceError
+from ..errors import EnlaceError, WeightsError
 from ..io import atomic_write_json, write_safetensors
 from ..manifest import hash_folder, verify_manifest, write_manifest
 from ..model import Llama
-from .config import from_hf_config, to_hf_config
-from .state_dict_adapter import WeightsError, from_hf, to_hf
+from .arch import from_hf_config, to_hf_config
+from .arch.common import from_hf_state, to_hf_state
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -77,7 +77,7 @@ def build_model(
     with torch.device("meta"):
         model = Llama(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    state = from_hf(cfg, expected, state, source)
+    state = from_hf_state(cfg, expected, state, source)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -113,7 +113,7 @@ def save_hf_folder(
     `manifest`: write manifest.json last (off for a caller that adds files and writes it itself).
     """
     folder = Path(folder)
-    state = to_hf(model.cfg, model.state_dict())  # safetensors refuses the shared tied head
+    state = to_hf_state(model.cfg, model.state_dict())  # safetensors refuses the shared tied head
     first_eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
     if isinstance(eos_token_id, list) and len(eos_token_id) == 1:
         eos_token_id = first_eos

@@ -1,7 +1,7 @@
 """Our Llama -> a GGUF file with the `gguf` package's writer, in llama.cpp's conventions.
 
-Tensors get llama.cpp's names and, for the `llama` architecture, its q/k row order (state_dict_adapter;
-for `gemma3`, its 1 + w norms). Weight matrices are stored as f32, f16, bf16 or Q8_0; norms stay f32, as
+Tensors get llama.cpp's names and layout, and the architecture its own keys, from the architecture's
+module (hf/arch/). Weight matrices are stored as f32, f16, bf16 or Q8_0; norms stay f32, as
 llama.cpp's converter keeps them. The vocabulary goes in as llama.cpp's sentencepiece ("llama") type when the
 folder or run has our tokenizer.model or is Gemma 3 (its pieces rebuilt by gguf_gemma), as its byte-level
 BPE ("gpt2") type for GPT-2-style tokenizer.json files (SmolLM2), and as 256 byte tokens for the byte-level
@@ -18,20 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import EnlaceError
+from ..errors import GGUFExportError
 from ..io import fsync_file
 from ..manifest import recorded_provenance, sidecar, verify_manifest, write_file_manifest
 from ..model import Llama
-from . import gguf_gemma, sp_convert
-from .state_dict_adapter import gguf_arch, to_gguf
+from . import sp_convert
+from .arch import for_config
+from .arch.common import Arch
 
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE values
 Q8_BLOCK = 32  # Q8_0 quantizes rows in blocks of 32 weights (one fp16 scale each)
 PRE_TOKENIZER_DIGITS = "smollm"  # llama.cpp's name for GPT-2 regex after splitting digits one by one
-
-
-class GGUFExportError(EnlaceError):
-    """The model or its tokenizer cannot be written as GGUF."""
 
 
 def spm_vocab(model_file: Path) -> dict[str, Any]:
@@ -110,7 +107,7 @@ def _add_model_keys(w: Any, cfg: Any, ftype: str, name: str) -> None:
 
 
 def _add_tokenizer(
-    w: Any, cfg: Any, arch: str, vocab: dict[str, Any], special: dict[str, Any], chat_template: str | None
+    w: Any, cfg: Any, arch: Arch, vocab: dict[str, Any], special: dict[str, Any], chat_template: str | None
 ) -> None:
     """The vocabulary, the tokenizer's settings, the special token ids and the chat template."""
     w.add_tokenizer_model(vocab["model"])
@@ -121,8 +118,9 @@ def _add_tokenizer(
     if "merges" in vocab:
         w.add_token_merges(vocab["merges"])
         w.add_tokenizer_pre(vocab["pre"])
-    if arch == "gemma3":
-        gguf_gemma.write_keys(w, cfg)
+    # The architecture's own keys go here, where they have always been written (the file's bytes stay).
+    arch.write_gguf_keys(w, cfg)
+    if "add_space_prefix" in vocab:  # a vocabulary that states its own settings (Gemma's)
         w.add_tokenizer_pre(vocab["pre"])
         w.add_add_space_prefix(vocab["add_space_prefix"])
         if vocab.get("eot") is not None:
@@ -149,11 +147,11 @@ def _add_tokenizer(
         w.add_chat_template(chat_template)
 
 
-def _add_tensors(w: Any, model: Llama, ftype: str) -> None:
+def _add_tensors(w: Any, arch: Arch, model: Llama, ftype: str) -> None:
     """The weights under llama.cpp's names, in the file type (norms and other vectors stay f32)."""
     import gguf
 
-    for gname, t in to_gguf(model.cfg, model.state_dict()).items():
+    for gname, t in arch.to_gguf(model.cfg, model.state_dict()).items():
         t = t.detach().cpu().float()
         if t.dim() == 1 or ftype == "f32":
             arr = t.numpy()
@@ -186,15 +184,15 @@ def write_gguf(
     cfg = model.cfg
     if len(vocab["tokens"]) != cfg.vocab_size:
         raise GGUFExportError(f"tokenizer has {len(vocab['tokens'])} tokens, the model {cfg.vocab_size}")
-    arch = gguf_arch(cfg)
+    arch = for_config(cfg)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), arch)
+    w = gguf.GGUFWriter(str(tmp), arch.name)
     try:
         _add_model_keys(w, cfg, ftype, name)
         _add_tokenizer(w, cfg, arch, vocab, special, chat_template)
-        _add_tensors(w, model, ftype)
+        _add_tensors(w, arch, model, ftype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
@@ -228,8 +226,9 @@ def _folder_gguf(folder: Path, path: Path, ftype: str, model: Llama | None) -> P
 
     model = model if model is not None else load_hf_folder(folder)
     tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    if gguf_arch(model.cfg) == "gemma3":
-        vocab = gguf_gemma.vocab(folder)
+    arch = for_config(model.cfg)
+    if arch.gguf_vocab is not None:
+        vocab = arch.gguf_vocab(folder)
     elif (folder / "tokenizer.model").exists():
         vocab = spm_vocab(folder / "tokenizer.model")
     elif (

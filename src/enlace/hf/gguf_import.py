@@ -19,14 +19,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DataError, EnlaceError
+from ..config.model import ModelConfig
+from ..errors import DataError, EnlaceError, UnsupportedModelError
 from ..io import atomic_dir, atomic_write_json, sha256_file, write_safetensors
 from ..manifest import MANIFEST, verify_file
 from ..paths import GEMMA3_DIR, PYPI_CACHE, SMOLLM2_DIR
-from . import gguf_gemma, sp_convert
-from .config import UnsupportedModelError, from_hf_config
+from . import sp_convert
+from .arch import for_gguf
+from .arch.common import Arch
 from .folder import build_model, write_model_manifest
-from .state_dict_adapter import from_gguf
 
 
 @dataclass(frozen=True)
@@ -206,53 +207,7 @@ def _fields(reader) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items()}
 
 
-def hf_config_from_gguf(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    arch = meta.get("general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r}; only 'llama', 'qwen3' and 'gemma3' are supported"
-        )
-    if any(k.startswith(f"{arch}.rope.scaling") for k in meta):
-        raise UnsupportedModelError(f"GGUF sets {arch}.rope.scaling.*; only plain RoPE is supported")
-    d, heads = int(meta[f"{arch}.embedding_length"]), int(meta[f"{arch}.attention.head_count"])
-    head_dim = int(meta.get(f"{arch}.attention.key_length", d // heads))
-    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
-        raise UnsupportedModelError(f"GGUF rope dimension {rope_dim} != head_dim {head_dim}")
-    tokens = meta["tokenizer.ggml.tokens"]
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    hf = {
-        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
-        "model_type": arch,
-        "vocab_size": int(meta.get(f"{arch}.vocab_size", len(tokens))),
-        "hidden_size": d,
-        "intermediate_size": int(meta[f"{arch}.feed_forward_length"]),
-        "num_hidden_layers": int(meta[f"{arch}.block_count"]),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
-        # GGUF stores eps as float32 (9.999999747e-06); round back to the decimal it came from.
-        "rms_norm_eps": float(f"{float(meta[f'{arch}.attention.layer_norm_rms_epsilon']):.6g}"),
-        "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
-        "rope_scaling": None,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": tied,
-        "torch_dtype": "float32",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "use_cache": True,
-    }
-    if arch == "qwen3":
-        hf.update(use_sliding_window=False, sliding_window=None)
-    return hf
-
-
-def read_gguf_tensors(reader, arch: str, n_head: int, n_kv_head: int) -> dict[str, torch.Tensor]:
+def read_gguf_tensors(reader, arch: Arch, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Dequantize every tensor to fp32 in Hugging Face layout (row-major [out, in]).
 
     The quantised kinds (Q4_0/1, Q5_0, Q8_0, Q4_K, Q6_K ...) are the gguf package's reference dequantisers:
@@ -268,7 +223,7 @@ def read_gguf_tensors(reader, arch: str, n_head: int, n_kv_head: int) -> dict[st
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if not arr.flags.writeable:  # F32 tensors come straight from the memory-mapped file
             arr = arr.copy()
-        name, w = from_gguf(arch, n_head, n_kv_head, t.name, torch.from_numpy(arr.reshape(shape)))
+        name, w = arch.from_gguf_state(cfg, t.name, torch.from_numpy(arr.reshape(shape)))
         state[name] = w.contiguous()
     return state
 
@@ -396,19 +351,19 @@ def import_gguf(
         raise EnlaceError(f"--gguf {gguf_path}: unreadable GGUF file ({e})") from None
     meta = _fields(reader)
     names = {t.name for t in reader.tensors}
-    gemma = meta.get("general.architecture") == gguf_gemma.ARCH
-    tied = "output.weight" not in names
-    hf = gguf_gemma.hf_config(meta, tied) if gemma else hf_config_from_gguf(meta, tied)
-    cfg = from_hf_config(hf, str(gguf_path), name=Path(out).name)
-    arch = gguf_gemma.ARCH if gemma else hf["model_type"]
-    state = read_gguf_tensors(reader, arch, cfg.n_head, cfg.n_kv_head)
+    arch = for_gguf(meta)
+    cfg = arch.from_gguf(meta, "output.weight" not in names, str(gguf_path), Path(out).name)
+    special = [meta.get(f"tokenizer.ggml.{k}") for k in ("bos_token_id", "eos_token_id", "padding_token_id")]
+    hf = arch.to_hf(cfg, *special, imported=True)
+    state = read_gguf_tensors(reader, arch, cfg)
     build_model(cfg, dict(state), str(gguf_path))  # every tensor present, none unexpected, shapes right
-    tok = gguf_gemma.tokenizer(meta) if gemma else build_tokenizer(meta)
+    tok = arch.gguf_tokenizer(meta) if arch.gguf_tokenizer else build_tokenizer(meta)
     tok_cfg = tokenizer_config(meta)
     gen = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
-    if gemma:
-        tok_cfg["chat_template"] = tok_cfg["chat_template"] or gguf_gemma.CHAT_TEMPLATE
-        gen["eos_token_id"] = gguf_gemma.stop_ids(meta)
+    if arch.chat_template:  # the architecture's turn format when the file carries none
+        tok_cfg["chat_template"] = tok_cfg["chat_template"] or arch.chat_template
+    if arch.stop_ids:
+        gen["eos_token_id"] = arch.stop_ids(meta)
     if tok.get_vocab_size(with_added_tokens=True) != cfg.vocab_size:
         raise EnlaceError(f"{gguf_path}: tokenizer has {tok.get_vocab_size()} tokens, model {cfg.vocab_size}")
     with atomic_dir(Path(out)) as tmp:
