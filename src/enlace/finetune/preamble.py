@@ -56,8 +56,10 @@ class PreambleSpec(Strict):
 
     @property
     def answer_prefix(self) -> str:
-        """What the prompt ends with: the assistant turn up to its content."""
-        return self.assistant.split(CONTENT)[0]
+        """What the prompt ends with: the assistant turn up to its content, less a trailing space (the model
+        writes it, as the first token of its answer: " El" is one token in the examples, "El" after a lone
+        " " another)."""
+        return self.assistant.split(CONTENT)[0].rstrip(" ")
 
     def render(self, messages: list[dict[str, str]]) -> str:
         """The preamble, the conversation so far in the same turn format, and the start of the next answer.
