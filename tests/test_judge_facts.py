@@ -182,3 +182,31 @@ def test_a_bad_spec_is_one_line_naming_file_and_field(tmp_path):
     bad.write_text(SPEC.read_text(encoding="utf-8").replace("ENLACE: {content}", "ENLACE:"), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"bad\.yaml: assistant: .*\{content\} exactly once"):
         load_spec(bad)
+
+
+def test_judge_run_on_a_preamble_assistant(tmp_path):
+    """The whole path on a random tiny Gemma: the spec's assistant answers, each answer is judged, ends at a
+    stop or the budget, and the partial result is handed over after every answer."""
+    from enlace.finetune.assistant import interleave, judge_assistant, load_assistant, summary_table
+    from enlace.finetune.chat import CHAT_SAMPLING
+
+    folder = tiny_gemma_folder(tmp_path / "g")
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        SPEC.read_text(encoding="utf-8").replace("models/gemma3-270m", str(folder)), encoding="utf-8"
+    )
+    a = load_assistant(spec)
+    questions = interleave(read_questions(QUESTIONS, "dev"))[:3]
+    assert [q.kind for q in questions] == ["fact", "advice", "writing"]
+    seen = []
+    r = judge_assistant(
+        a, questions, ["greedy", "sample-1"], CHAT_SAMPLING, 6, progress=lambda x: seen.append(1)
+    )
+    assert len(seen) == 6 and list(r["decodings"]) == ["greedy", "sample-1"]
+    g = r["decodings"]["greedy"]
+    assert g["sampling"]["temperature"] == 0 and r["decodings"]["sample-1"]["sampling"]["seed"] == 1
+    assert g["answered"] == "3/3" and g["summary"]["correct"]["n"] == 1 and g["summary"]["on_topic"]["n"] == 3
+    for row in g["answers"]:
+        assert 1 <= row["tokens"] <= 6 and (row["ended"] or row["tokens"] == 6)
+        assert not any(s in row["answer"] for s in ("Usuario:", "ENLACE:"))
+    assert "| gemma3-preamble | greedy |" in summary_table([r])

@@ -102,9 +102,11 @@ def judge_assistant(
     sampler: dict[str, Any],
     max_new_tokens: int,
     log: Callable[[str], None] = lambda s: None,
+    progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Every question answered with each decoding and judged: per decoding, the summary (each check's count,
-    rate and Wilson interval), the flat rates, and each answer with its verdict."""
+    rate and Wilson interval), the flat rates, and each answer with its verdict. `progress` is given the
+    result so far after every answer (a slow CPU's run can be stopped and still reported, with its n)."""
     out: dict[str, Any] = {
         "assistant": a.name,
         "what": a.what,
@@ -113,15 +115,35 @@ def judge_assistant(
     }
     for d in decodings:
         sampling = decoding(d, sampler)
-        rows = []
+        rows: list[dict[str, Any]] = []
         for i, q in enumerate(questions, 1):
             r = reply(a, q.question, sampling, max_new_tokens)
             v = judge(r.text, q)
             rows.append({"id": q.id, "kind": q.kind, "question": q.question, "answer": r.text,
                          "tokens": r.tokens, "ended": r.ended, **v})  # fmt: skip
             log(f"{a.name} {d} {i}/{len(questions)}: {'ok' if v['ok'] else 'fails'}")
-        out["decodings"][d] = {"sampling": sampling, "summary": summary(rows), "rates": rates(rows),
-                               "answers": rows}  # fmt: skip
+            out["decodings"][d] = {"sampling": sampling, "answered": f"{i}/{len(questions)}",
+                                   "summary": summary(rows), "rates": rates(rows), "answers": rows}  # fmt: skip
+            if progress is not None:
+                progress(out)
+    return out
+
+
+def interleave(questions: list[Question]) -> list[Question]:
+    """The questions in turns of their kinds (fact, advice, writing, fact, ...), each kind in file order: any
+    first part of a run then covers every kind in proportion."""
+    by_kind: dict[str, list[Question]] = {}
+    for q in questions:
+        by_kind.setdefault(q.kind, []).append(q)
+    queues = list(by_kind.values())
+    n = len(questions)
+    out: list[Question] = []
+    taken = [0] * len(queues)
+    while len(out) < n:  # the kind furthest behind its share goes next
+        k = min((i for i in range(len(queues)) if taken[i] < len(queues[i])),
+                key=lambda i: (taken[i] + 1) / len(queues[i]))  # fmt: skip
+        out.append(queues[k][taken[k]])
+        taken[k] += 1
     return out
 
 

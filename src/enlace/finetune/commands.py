@@ -137,7 +137,7 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
 def _judge(args: argparse.Namespace) -> int:
     from ..io import atomic_write_json
-    from .assistant import decoding, judge_assistant, load_assistant, summary_table
+    from .assistant import decoding, interleave, judge_assistant, load_assistant, summary_table
     from .chat import CHAT_SAMPLING
     from .judge import read_questions
 
@@ -149,13 +149,15 @@ def _judge(args: argparse.Namespace) -> int:
     for d in decodings:
         decoding(d, CHAT_SAMPLING)  # a bad name fails before the model loads
     questions = read_questions(Path(args.questions), None if args.split == "all" else args.split)
+    questions = interleave(questions)  # kinds in turn: a run stopped early is still a fair sample
     questions = questions[: args.limit] if args.limit else questions
     a = load_assistant(args.assistant, args.model, args.adapter)
     log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
-    result = judge_assistant(a, questions, decodings, CHAT_SAMPLING, args.max_new_tokens, log)
-    result.update(questions_file=args.questions, split=args.split)
     out = Path(args.out or f"runs/judge/{a.name.replace(' ', '').replace('+', '-')}/judge.json")
-    atomic_write_json(out, result)
+    meta = {"questions_file": args.questions, "split": args.split}
+    save = lambda r: atomic_write_json(out, r | meta)  # noqa: E731  (after every answer)
+    result = judge_assistant(a, questions, decodings, CHAT_SAMPLING, args.max_new_tokens, log, save) | meta
+    save(result)
     print(summary_table([result]), end="")
     print(f"{a.what}; {len(questions)} questions ({args.split}); written to {out}")
     return 0
