@@ -210,3 +210,30 @@ def test_judge_run_on_a_preamble_assistant(tmp_path):
         assert 1 <= row["tokens"] <= 6 and (row["ended"] or row["tokens"] == 6)
         assert not any(s in row["answer"] for s in ("Usuario:", "ENLACE:"))
     assert "| gemma3-preamble | greedy |" in summary_table([r])
+
+
+def test_a_bare_name_is_not_taken_for_another_language(qs):
+    """ "Lisboa." has no function word to vote on: it counts as Spanish; "The capital is Lisbon." does not."""
+    portugal = qs["¿Cuál es la capital de Portugal?"]
+    assert judge("Lisboa.", portugal)["ok"] and not judge("Madrid.", portugal)["correct"]
+    assert judge("Buenos Aires.", qs["¿Cuál es la capital de Argentina?"])["spanish"]
+    english = judge("The capital is Lisbon.", portugal)
+    assert not english["spanish"] and not english["ok"]
+    assert not judge("Лиссабон.", portugal)["spanish"] and not judge("Clouds.", portugal)["spanish"]
+
+
+def test_rejudge_applies_the_current_judge_to_stored_answers(qs):
+    from enlace.finetune.assistant import rejudge
+
+    q = qs["¿Cuál es la capital de Portugal?"]
+    row = {
+        "id": q.id,
+        "kind": "fact",
+        "question": q.question,
+        "answer": "Lisboa.",
+        "tokens": 4,
+        "ended": True,
+    }
+    stored = {"decodings": {"greedy": {"answers": [row | {"ok": False, "spanish": False}]}}}
+    d = rejudge(stored, list(qs.values()))["decodings"]["greedy"]
+    assert d["answers"][0]["ok"] and d["summary"]["correct"]["k"] == 1 and d["rates"]["ok_rate"] == 1.0

@@ -129,6 +129,21 @@ def judge_assistant(
     return out
 
 
+def rejudge(result: dict[str, Any], questions: list[Question]) -> dict[str, Any]:
+    """A stored result judged again by the current judge (the answers stay as they were generated)."""
+    by_text = {q.question: q for q in questions}
+    for d in result["decodings"].values():
+        rows = []
+        for row in d["answers"]:
+            q = by_text.get(row["question"])
+            if q is None:
+                raise EnlaceError(f"rejudge: question {row['question']!r} is not in the question file")
+            keep = {k: row[k] for k in ("id", "kind", "question", "answer", "tokens", "ended")}
+            rows.append(keep | judge(row["answer"], q))
+        d.update(answers=rows, summary=summary(rows), rates=rates(rows))
+    return result
+
+
 def interleave(questions: list[Question]) -> list[Question]:
     """The questions in turns of their kinds (fact, advice, writing, fact, ...), each kind in file order: any
     first part of a run then covers every kind in proportion."""

@@ -141,6 +141,18 @@ def _judge(args: argparse.Namespace) -> int:
     from .chat import CHAT_SAMPLING
     from .judge import read_questions
 
+    if args.rejudge:
+        from .assistant import rejudge
+
+        path = Path(args.rejudge)
+        if not path.is_file():
+            raise EnlaceError(f"--rejudge {path}: no such result file")
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        result = rejudge(stored, read_questions(Path(stored.get("questions_file", args.questions))))
+        atomic_write_json(path, result)
+        print(summary_table([result]), end="")
+        print(f"judged again, written to {path}")
+        return 0
     if (args.assistant is None) == (args.model is None):
         raise EnlaceError("enlace judge: give one of --assistant SPEC or --model FOLDER")
     if args.adapter and not args.model:
@@ -272,6 +284,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--limit", type=int, default=0, help="the first N questions only (0: all)")
     p.add_argument("--out", default=None, help="result JSON (default runs/judge/<assistant>/judge.json)")
     p.add_argument("--verbose", action="store_true", help="a line per answer")
+    p.add_argument("--rejudge", default=None, metavar="JSON", help="judge a stored result's answers again")
     p.set_defaults(handler=_judge)
 
     p = sub.add_parser("chat", help="chat with a Hugging Face model folder (optionally with a LoRA adapter)")

@@ -248,6 +248,24 @@ def fact_verdict(answer: str, question: Question) -> dict:
     return {"correct": bool(stated) and not rivals, "key_found": bool(stated), "competing_found": rivals}
 
 
+BARE_NAME_WORDS = 3  # "Lisboa.", "Buenos Aires.", "56": an answer, in no language in particular
+
+
+def is_bare_name(answer: str) -> bool:
+    """A short answer with no function word of any language the vote knows ("Lisboa.", "Buenos Aires."): the
+    language checks cannot tell its language. A fact answer that is only such a name, and names a key or a
+    competing key, counts as Spanish when written in the Latin script: a Spanish speaker answers so."""
+    from ..data.clean import EN_WORDS, ES_WORDS
+    from .evaluate import foreign_script_share
+
+    words = [w.lower() for w in WORD.findall(answer)]
+    return (
+        0 < len(words) <= BARE_NAME_WORDS
+        and not any(w in ES_WORDS or w in EN_WORDS for w in words)
+        and foreign_script_share(answer) == 0
+    )
+
+
 def judge(answer: str, question: Question) -> dict:
     """One answer's verdict: each check, the keywords it mentioned, for a fact question whether it is correct
     (None otherwise), and `ok` when it passes them all."""
@@ -264,6 +282,7 @@ def judge(answer: str, question: Question) -> dict:
         fact = fact_verdict(answer, question)
         named = any(mentions(answer, k) for k in (*question.keys, *question.competitors))
         verdict.update(fact, on_topic=verdict["on_topic"] or named)
+        verdict["spanish"] = verdict["spanish"] or (named and is_bare_name(answer))
     verdict["ok"] = verdict["spanish"] and verdict["on_topic"] and not verdict["loops"]
     if question.kind == "fact":
         verdict["ok"] = verdict["ok"] and verdict["correct"]
