@@ -79,8 +79,13 @@ assistant: $(STAMP)
 
 # The bases side by side on the same Spanish texts at fp32: ENLACE's pretrained model, SmolLM2-135M, Gemma 3
 # 270M and the assistant (`make assistant`); bits per byte and minimal pairs into runs/bench_bases/table.md.
+# Then each assistant at hand answers the judge's test questions (greedy and the serving sampler, two seeds):
+# on topic, correct, Spanish, loops, ended, with Wilson intervals, into runs/judge/<assistant>/judge.json.
 bench-es: $(STAMP)
 	$(BIN)/enlace bench-bases --finetune gemma3-es
+	test ! -d models/gemma3-270m || $(BIN)/enlace judge --assistant configs/assistant/gemma3-preamble.yaml
+	test ! -d runs/assistant/adapter || $(BIN)/enlace judge --model models/gemma3-270m --adapter runs/assistant/adapter
+	test ! -d runs/finetune/adapter || $(BIN)/enlace judge --model models/smollm2-135m-instruct --adapter runs/finetune/adapter
 
 gpu-check: $(STAMP)
 	$(BIN)/python -m enlace.gpu_check --out runs/gpu-check.json

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from enlace.hf.state_dict_adapter import WeightsError
 from helpers import make_folder
 
 from enlace.cli import main
-from enlace.errors import EnlaceError
+from enlace.errors import EnlaceError, WeightsError
 from enlace.hf.folder import INDEX, load_hf_folder, save_hf_folder, write_model_manifest
 from enlace.hf.gguf_export import export_folder_gguf
 from enlace.hf.gguf_import import import_gguf

@@ -1,5 +1,8 @@
 """Finetune layer: LoRA on a Hugging Face base model with instruction data."""
 
+import re
+from typing import Literal
+
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, field_validator
 
 from ..choices import DecayShape, InstructFormat
@@ -67,11 +70,24 @@ class FinetuneConfig(Strict):
     ]
     # Questions the instruction set never saw, with topic keywords: finetune-eval answers and judges each one
     # (in Spanish, on topic, no loops; enlace.finetune.judge). null: none. judge_base: the base model too.
-    questions: str | None = "assets/instruct/es_preguntas_nuevas.jsonl"
+    questions: str | None = "assets/eval/preguntas-juez.jsonl"
     judge_base: StrictBool = True
+    # Which questions of the file: test (the reported ones), dev (those a prompt may be tuned on) or all.
+    questions_split: Literal["test", "dev", "all"] = "test"
+    # Each decoding answers every question: greedy (temperature 0 with `generation`'s repetition controls, as
+    # `enlace serve` answers at temperature 0) and sample-N (`generation`, seed N). The first is the flat one.
+    judge_decodings: list[str] = Field(default=["greedy", "sample-0", "sample-1"], min_length=1)
     # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its checks
     # measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
     generation: GenerationConfig = FINETUNE_EVAL
+
+    @field_validator("judge_decodings")
+    @classmethod
+    def _decodings(cls, v: list[str]) -> list[str]:
+        bad = [d for d in v if re.fullmatch(r"greedy|sample-\d+", d) is None]
+        if bad:
+            raise ValueError(f"unknown decodings {bad}; use greedy or sample-N (N a seed)")
+        return v
 
     @field_validator("targets", mode="before")
     @classmethod

@@ -1,4 +1,4 @@
-"""Commands: finetune, finetune-eval, chat."""
+"""Commands: finetune, finetune-eval, judge, chat."""
 
 from __future__ import annotations
 
@@ -103,13 +103,59 @@ def _finetune_eval(args: argparse.Namespace) -> int:
             f"keywords {v['keywords_found']}"
         )
     for who, j in r.get("judge", {}).items():
+        correct = f", correct {j['correct_rate']:.0%} of {j['facts']} facts" if "correct_rate" in j else ""
         print(
             f"unseen questions ({who}): {j['ok_rate']:.0%} good; Spanish {j['spanish_rate']:.0%}, "
-            f"on topic {j['on_topic_rate']:.0%}, looping {j['loops_rate']:.0%} of {j['questions']}"
+            f"on topic {j['on_topic_rate']:.0%}, looping {j['loops_rate']:.0%} of {j['questions']}{correct}"
         )
+    if r.get("judge_decodings"):
+        from .assistant import summary_table
+
+        print(summary_table([{"assistant": who, "decodings": {d: {"summary": s} for d, s in ds.items()}}
+                             for who, ds in r["judge_decodings"].items()]), end="")  # fmt: skip
     print(
         f"\nheld-out loss: {r['loss_before']:.4f} (base) -> {r['loss_after']:.4f} (adapter); written to {Path(cfg.finetune.out) / 'eval.json'}"
     )
+    return 0
+
+
+def _judge(args: argparse.Namespace) -> int:
+    from ..io import atomic_write_json
+    from .assistant import decoding, interleave, judge_assistant, load_assistant, summary_table
+    from .chat import CHAT_SAMPLING
+    from .judge import read_questions
+
+    if args.rejudge:
+        from .assistant import rejudge
+
+        path = Path(args.rejudge)
+        if not path.is_file():
+            raise EnlaceError(f"--rejudge {path}: no such result file")
+        stored = json.loads(path.read_text(encoding="utf-8"))
+        result = rejudge(stored, read_questions(Path(stored.get("questions_file", args.questions))))
+        atomic_write_json(path, result)
+        print(summary_table([result]), end="")
+        print(f"judged again, written to {path}")
+        return 0
+    if (args.assistant is None) == (args.model is None):
+        raise EnlaceError("enlace judge: give one of --assistant SPEC or --model FOLDER")
+    if args.adapter and not args.model:
+        raise EnlaceError("enlace judge: --adapter needs --model")
+    decodings = [d.strip() for d in args.decodings.split(",") if d.strip()]
+    for d in decodings:
+        decoding(d, CHAT_SAMPLING)  # a bad name fails before the model loads
+    questions = read_questions(Path(args.questions), None if args.split == "all" else args.split)
+    questions = interleave(questions)  # kinds in turn: a run stopped early is still a fair sample
+    questions = questions[: args.limit] if args.limit else questions
+    a = load_assistant(args.assistant, args.model, args.adapter)
+    log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
+    out = Path(args.out or f"runs/judge/{a.name.replace(' ', '').replace('+', '-')}/judge.json")
+    meta = {"questions_file": args.questions, "split": args.split}
+    save = lambda r: atomic_write_json(out, r | meta)  # noqa: E731  (after every answer)
+    result = judge_assistant(a, questions, decodings, CHAT_SAMPLING, args.max_new_tokens, log, save) | meta
+    save(result)
+    print(summary_table([result]), end="")
+    print(f"{a.what}; {len(questions)} questions ({args.split}); written to {out}")
     return 0
 
 
@@ -178,7 +224,36 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument("--val-data", dest="val_data", help="held-out JSONL")
     p.set_defaults(handler=_finetune_eval)
 
+    _register_judge(sub)
     _register_chat(sub)
+
+
+def _register_judge(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "judge",
+        help="answer the held-out questions with an assistant and judge them (on topic, correct, Spanish, ...)",
+        description="Answer every held-out question with an assistant (a preamble spec, or a model folder with "
+        "its chat template and an optional LoRA adapter), with each decoding, and report each check's rate "
+        "with its Wilson 95% interval: on topic, correct (fact questions), Spanish, loops, ended by itself.",
+    )
+    p.add_argument("--assistant", default=None, help="a preamble spec (configs/assistant/NAME.yaml)")
+    p.add_argument("--model", default=None, help="or a model folder answering in its chat template")
+    p.add_argument("--adapter", default=None, help="with --model: a LoRA adapter folder")
+    p.add_argument("--questions", default="assets/eval/preguntas-juez.jsonl", help="question file")
+    p.add_argument(
+        "--split", default="test", choices=("test", "dev", "all"), help="which questions (default test)"
+    )
+    p.add_argument(
+        "--decodings", default="greedy,sample-0,sample-1",
+        help="comma-separated: greedy (temperature 0 with the serving repetition controls) and sample-N (the "
+        "serving default sampler, seed N); default greedy,sample-0,sample-1",
+    )  # fmt: skip
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=0, help="the first N questions only (0: all)")
+    p.add_argument("--out", default=None, help="result JSON (default runs/judge/<assistant>/judge.json)")
+    p.add_argument("--verbose", action="store_true", help="a line per answer")
+    p.add_argument("--rejudge", default=None, metavar="JSON", help="judge a stored result's answers again")
+    p.set_defaults(handler=_judge)
 
 
 def _register_chat(sub: argparse._SubParsersAction) -> None:

@@ -25,7 +25,7 @@ from ..lora import set_merged
 from ..model import IGNORE_INDEX
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
-from .judge import judge, rates, read_questions
+from .judge import read_questions
 from .loss import assistant_loss_sum
 
 # Goals from the finetune issue: no looping answer, held-out loss at least 20% below the base model's.
@@ -146,21 +146,14 @@ def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> Reply:
     return Reply(tok.decode(ids, skip_special_tokens=True).strip(), len(ids), ended)
 
 
-def answer_questions(
-    model, tok: HFTokenizer, questions: list, cfg: FinetuneConfig
-) -> list[tuple[Reply, dict]]:
-    """Each held-out question's answer and its verdict."""
-    out = []
-    for q in questions:
-        a = answer(model, tok, q.question, cfg)
-        out.append((a, judge(a.text, q)))
-    return out
+def judge_questions(model, tok: HFTokenizer, questions: list, cfg: FinetuneConfig, who: str) -> dict:
+    """Every held-out question answered with each of the layer's decodings and judged
+    (enlace.finetune.assistant.judge_assistant)."""
+    from .assistant import from_loaded, judge_assistant
 
-
-def ended_rate(replies: list[Reply]) -> float:
-    """Share of answers that ended by themselves: one cut at max_new_tokens is unfinished, whatever the judge
-    says of its words."""
-    return round(sum(r.ended for r in replies) / max(len(replies), 1), 4)
+    a = from_loaded(who, model, tok, system=cfg.system_prompt)
+    sampler = {k: v for k, v in cfg.generation.model_dump().items() if k not in ("max_new_tokens", "seed")}
+    return judge_assistant(a, questions, cfg.judge_decodings, sampler, cfg.generation.max_new_tokens)
 
 
 def answer_budget_warning(val: Dataset, max_new_tokens: int) -> str | None:
@@ -176,12 +169,41 @@ def answer_budget_warning(val: Dataset, max_new_tokens: int) -> str | None:
     )
 
 
+def judged_rows(questions: list, after: dict | None, before: dict | None) -> tuple[list, dict, dict]:
+    """Per question, the first decoding's answers and verdicts (the adapter's, and the base's when judged);
+    the first decoding's flat rates per model; and each decoding's summary per model."""
+    if after is None:
+        return [], {}, {}
+    first = next(iter(after["decodings"]))
+    runs = {"finetuned": after} | ({"base": before} if before else {})
+    judged = {
+        who: r["decodings"][first]["rates"]
+        | {"ended_rate": r["decodings"][first]["summary"]["ended"]["rate"]}
+        for who, r in runs.items()
+    }
+    by_decoding = {who: {d: x["summary"] for d, x in r["decodings"].items()} for who, r in runs.items()}
+    keep = ("spanish", "on_topic", "loops", "keywords_found", "correct", "key_found", "competing_found", "ok")
+    verdicts = []
+    for i, q in enumerate(questions):
+        a = after["decodings"][first]["answers"][i]
+        row = {"question": q.question, "topic": q.topic, "kind": q.kind, "keywords": list(q.keywords),
+               "finetuned": a["answer"], "verdict": {k: a[k] for k in keep if k in a}, "tokens": a["tokens"],
+               "ended": a["ended"]}  # fmt: skip
+        if before:
+            b = before["decodings"][first]["answers"][i]
+            row.update(base=b["answer"], base_verdict={k: b[k] for k in keep if k in b}, base_tokens=b["tokens"],
+                       base_ended=b["ended"])  # fmt: skip
+        verdicts.append(row)
+    return verdicts, judged, by_decoding
+
+
 def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None = None) -> dict:
     setup_runtime(hw)
     adapter = Path(adapter or Path(cfg.out) / "adapter")
     if not (adapter / "adapter_config.json").exists():
         raise EnlaceError(f"{adapter}: no adapter; run `enlace finetune` first")
-    questions = read_questions(Path(cfg.questions)) if cfg.questions else []  # a bad file fails first
+    split = None if cfg.questions_split == "all" else cfg.questions_split
+    questions = read_questions(Path(cfg.questions), split) if cfg.questions else []  # a bad file fails first
     base = load_model(cfg.base_model, flag="finetune.base_model")
     model, tok = base.model, base.hf_tokenizer("finetune-eval")
     val = load_dataset(tok, Path(cfg.val_data), cfg.format, cfg.max_len, None, cfg.system_prompt)
@@ -190,37 +212,17 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
         print(warning, file=sys.stderr, flush=True)
     before = heldout_loss(model, val, tok.pad_id)
     answers_before = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]
-    judged_before = answer_questions(model, tok, questions, cfg) if cfg.judge_base else []
+    judged_before = (
+        judge_questions(model, tok, questions, cfg, "base") if cfg.judge_base and questions else None
+    )
     add_adapter(model, adapter, cfg.base_model, merge=False)  # the held-out loss first, as trained
     after = heldout_loss(model, val, tok.pad_id)
     set_merged(model, True)  # same outputs, one matmul per projection while generating
     answers_after = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]
-    judged_after = answer_questions(model, tok, questions, cfg)
+    judged_after = judge_questions(model, tok, questions, cfg, "finetuned") if questions else None
     reduction = (before - after) / before if before > 0 else 0.0
     checks = {"base": answer_checks(answers_before), "finetuned": answer_checks(answers_after)}
-    judged = {
-        "finetuned": rates([v for _, v in judged_after])
-        | {"ended_rate": ended_rate([a for a, _ in judged_after])}
-    }
-    if cfg.judge_base:
-        judged["base"] = rates([v for _, v in judged_before]) | {
-            "ended_rate": ended_rate([a for a, _ in judged_before])
-        }
-    verdicts = []
-    for i, (q, (a, v)) in enumerate(zip(questions, judged_after, strict=True)):
-        row = {
-            "question": q.question,
-            "topic": q.topic,
-            "keywords": list(q.keywords),
-            "finetuned": a.text,
-            "verdict": v,
-            "tokens": a.tokens,
-            "ended": a.ended,
-        }
-        if cfg.judge_base:
-            b, bv = judged_before[i]
-            row.update(base=b.text, base_verdict=bv, base_tokens=b.tokens, base_ended=b.ended)
-        verdicts.append(row)
+    verdicts, judged, by_decoding = judged_rows(questions, judged_after, judged_before)
     result = {
         "base_model": cfg.base_model,
         "adapter": str(adapter),
@@ -248,5 +250,6 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
         # The judge's rates on unseen questions, flat for `dvc metrics show`, then per question.
         result.update({f"new_questions_{k}": v for k, v in judged["finetuned"].items()})
         result.update({"questions_file": cfg.questions, "judge": judged, "questions": verdicts})
+        result.update({"questions_split": cfg.questions_split, "judge_decodings": by_decoding})
     atomic_write_json(Path(cfg.out) / "eval.json", result)
     return result
