@@ -21,7 +21,7 @@ from enlace.config.model import ModelConfig
 from enlace.hf import gguf_gemma, sp_convert
 from enlace.hf.arch.gemma3 import NAME as GEMMA3
 from enlace.hf.arch.gemma3 import SWITCHES as GEMMA3_SWITCHES
-from enlace.hf.folder import save_hf_folder
+from enlace.hf.folder import save_hf_folder, write_model_manifest
 from enlace.hf.gguf_import import tokenizer_config
 from enlace.model import Llama
 from enlace.scoring.token_bytes import TokenBytes
@@ -97,11 +97,14 @@ def tiny_gemma_folder(folder: Path, seed: int = 0) -> Path:
                 p.normal_(0, 0.5)  # spread the tied head's logits: no near-ties in greedy decoding
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    save_hf_folder(model, folder, bos_token_id=2, eos_token_id=gguf_gemma.stop_ids(meta), pad_token_id=0)
+    save_hf_folder(
+        model, folder, bos_token_id=2, eos_token_id=gguf_gemma.stop_ids(meta), pad_token_id=0, manifest=False
+    )
     tok.save(str(folder / "tokenizer.json"))
     tok_cfg = tokenizer_config(meta)
     tok_cfg["chat_template"] = gguf_gemma.CHAT_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, ensure_ascii=False), encoding="utf-8")
+    write_model_manifest(folder, "hf-model")  # last, over the tokenizer files too, as import-gguf writes it
     return folder
 
 

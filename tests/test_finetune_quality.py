@@ -16,7 +16,7 @@ from enlace.config.model import ModelConfig
 from enlace.errors import DataError, EnlaceError
 from enlace.finetune.chat import CHAT_SAMPLING, chat_repl
 from enlace.finetune.data import read_conversations
-from enlace.finetune.evaluate import answer_checks, distinct_2, is_spanish, loops
+from enlace.finetune.text_checks import answer_checks, distinct_2, is_spanish, loops
 from enlace.generate import RepeatGuard, generate
 from enlace.load import load_model
 from enlace.model import Llama

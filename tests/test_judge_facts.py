@@ -23,7 +23,7 @@ from enlace.finetune.judge import (
     summary,
     wilson,
 )
-from enlace.finetune.preamble import cut_at_stop, load_spec
+from enlace.load.preamble import cut_at_stop, load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT / "assets" / "eval" / "preguntas-juez.jsonl"
@@ -187,8 +187,9 @@ def test_a_bad_spec_is_one_line_naming_file_and_field(tmp_path):
 def test_judge_run_on_a_preamble_assistant(tmp_path):
     """The whole path on a random tiny Gemma: the spec's assistant answers, each answer is judged, ends at a
     stop or the budget, and the partial result is handed over after every answer."""
-    from enlace.finetune.assistant import interleave, judge_assistant, load_assistant, summary_table
+    from enlace.finetune.assistant import judge_assistant, load_assistant, summary_table
     from enlace.finetune.chat import CHAT_SAMPLING
+    from enlace.finetune.judge import interleave
 
     folder = tiny_gemma_folder(tmp_path / "g")
     spec = tmp_path / "spec.yaml"

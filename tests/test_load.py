@@ -192,3 +192,59 @@ def test_served_model_is_built_from_the_loaded_one(folder):
     served = load_served(str(folder), None, default=None, weights="fp32")
     assert served.generation == CHAT and served.encode_chat is not None and served.weights == "fp32"
     assert served.name == "base" and served.context == load_hf_folder(folder).cfg.seq_len
+
+
+def write_spec(path: Path, base: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        f"name: tiny-preamble\nbase: {base}\nsystem: Un asistente que responde en español.\n"
+        'user: "Usuario: {content}\\n"\nassistant: "ENLACE: {content}\\n\\n"\nstop: ["\\nUsuario:"]\n'
+        'examples:\n  - user: "¿De qué color es el cielo?"\n    assistant: "Azul."\n',
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_assistant_spec_opens_its_base_with_the_preamble(folder, tmp_path):
+    """An assistant spec is a model path: its base, rendered by the preamble, cut by its stop strings."""
+    from enlace.load.preamble import load_spec
+
+    spec_path = write_spec(tmp_path / "tiny.yaml", folder)
+    loaded = load_model(spec_path)
+    spec, tok = load_spec(spec_path), HFTokenizer(folder)
+    msgs = [{"role": "user", "content": PROMPT}]
+    assert loaded.ref.kind == "preamble" and loaded.name == "tiny-preamble" and loaded.generation == CHAT
+    assert (
+        loaded.chat_template(msgs)
+        == spec.encode(tok, msgs)
+        == tok.encode(spec.render(msgs), add_special_tokens=False)
+    )
+    assert spec.render(msgs).endswith(f"Usuario: {PROMPT}\nENLACE:")
+    assert loaded.stops == ("\nUsuario:",) and "aligned in context" in loaded.source
+    assert greedy(loaded.model, loaded.chat_template(msgs)) == greedy(
+        load_hf_folder(folder), spec.encode(tok, msgs)
+    )
+    with pytest.raises(ModelError, match="no adapter"):
+        locate(spec_path, adapter=tmp_path)
+
+
+def test_serve_answers_with_the_imported_preamble_by_default(folder, tmp_path, monkeypatch):
+    """No --model: the in-context assistant once its base exists, named as such; else the finetune adapter."""
+    from enlace.paths import DEFAULT_ASSISTANT
+    from enlace.serve.loader import load_served, resolve
+
+    monkeypatch.chdir(tmp_path)
+
+    def finetune_default() -> tuple[Path, Path]:
+        return folder, tmp_path / "runs/finetune/adapter"
+
+    with pytest.raises(Exception, match="no assistant yet"):
+        resolve(None, None, finetune_default)
+    write_spec(tmp_path / DEFAULT_ASSISTANT, tmp_path / "models/none")
+    with pytest.raises(Exception, match="no assistant yet"):  # the spec's base is not imported
+        resolve(None, None, finetune_default)
+    write_spec(tmp_path / DEFAULT_ASSISTANT, folder)
+    assert resolve(None, None, finetune_default) == ("preamble", DEFAULT_ASSISTANT, None)
+    served = load_served(None, None, finetune_default, weights="fp32")
+    assert served.name == "tiny-preamble" and served.stops == ("\nUsuario:",)
+    assert "aligned in context" in served.source and served.encode_chat is not None

@@ -19,3 +19,6 @@ PYPI_CACHE = RAW / "pypi"  # wheels fetched from PyPI (checksummed)
 BENCH_ES = (
     Path("assets") / "bench_es"
 )  # the project's Spanish benchmark: items (JSONL) and lm-eval task YAMLs
+# The assistant `enlace serve` answers with by default once its base is imported: Gemma 3 270M aligned in
+# context (docs/assistant.md: it beats the fine-tunes on the judge's fact questions).
+DEFAULT_ASSISTANT = Path("configs/assistant/gemma3-preamble.yaml")

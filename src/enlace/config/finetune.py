@@ -74,6 +74,9 @@ class FinetuneConfig(Strict):
     judge_base: StrictBool = True
     # Which questions of the file: test (the reported ones), dev (those a prompt may be tuned on) or all.
     questions_split: Literal["test", "dev", "all"] = "test"
+    # Judge only the first N of the split, kinds in turn (0: all): a layer inside `make run`'s budget takes a
+    # fair sample, `enlace judge` and `make assistant` take them all.
+    questions_limit: StrictInt = Field(default=0, ge=0)
     # Each decoding answers every question: greedy (temperature 0 with `generation`'s repetition controls, as
     # `enlace serve` answers at temperature 0) and sample-N (`generation`, seed N). The first is the flat one.
     judge_decodings: list[str] = Field(default=["greedy", "sample-0", "sample-1"], min_length=1)

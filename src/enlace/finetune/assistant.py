@@ -2,7 +2,7 @@
 
 An assistant is a model, its tokenizer, how messages become prompt ids, and what ends an answer: a base folder's
 own chat template (SmolLM2-Instruct; a base plus a LoRA adapter), or a preamble spec that aligns a base in
-context (enlace.finetune.preamble). `judge_assistant` answers every question with each decoding and reports,
+context (enlace.load.preamble). `judge_assistant` answers every question with each decoding and reports,
 per decoding, the judge's checks with their Wilson 95% intervals (enlace.finetune.judge.summary).
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import EnlaceError
 from ..hf.tokenizer import HFTokenizer, Message
-from .evaluate import Reply
+from ..load.preamble import cut_at_stop
 from .judge import Question, judge, rates, summary
-from .preamble import cut_at_stop, load_spec
+from .text_checks import Reply
 
 DECODING = re.compile(r"greedy|sample-(\d+)")
 
@@ -45,24 +45,26 @@ def from_loaded(
 
 def load_assistant(spec: str | Path | None = None, model_dir: str | Path | None = None,
                    adapter: str | Path | None = None) -> Assistant:  # fmt: skip
-    """A preamble spec's assistant, or a model folder (plus an adapter) answering in its chat template."""
-    from ..load import load_for_generation
+    """A preamble spec's assistant, or a model folder (plus an adapter) answering in its chat template; both
+    opened by enlace.load."""
+    from ..load import load_model
 
     if spec is not None:
-        s = load_spec(spec)
-        model, tok = load_for_generation(s.base)
+        loaded = load_model(spec, flag="--assistant")
+        tok = loaded.hf_tokenizer("enlace judge")
         return Assistant(
-            s.name, model, tok, lambda msgs: s.encode(tok, msgs), tuple(s.stop), s.stop_ids(tok),
-            f"{Path(s.base).name}, preamble {spec} (no adapter)",
+            loaded.name, loaded.model, tok, loaded.chat_template, loaded.stops, loaded.eos_ids,
+            f"{Path(loaded.preamble.base).name}, preamble {spec} (no adapter)",
         )  # fmt: skip
     if model_dir is None:
         raise EnlaceError("an assistant needs a spec or a model folder")
-    model, tok = load_for_generation(model_dir, adapter)
+    loaded = load_model(model_dir, adapter, flag="--model")
+    tok = loaded.hf_tokenizer("enlace judge")
     name = Path(model_dir).name + (" + LoRA" if adapter else "")
     what = f"{Path(model_dir).name}, its chat template, " + (
         f"adapter {adapter}" if adapter else "no adapter"
     )
-    return from_loaded(name, model, tok, what)
+    return from_loaded(name, loaded.model, tok, what)
 
 
 def decoding(name: str, sampler: dict[str, Any]) -> dict[str, Any]:
@@ -142,24 +144,6 @@ def rejudge(result: dict[str, Any], questions: list[Question]) -> dict[str, Any]
             rows.append(keep | judge(row["answer"], q))
         d.update(answers=rows, summary=summary(rows), rates=rates(rows))
     return result
-
-
-def interleave(questions: list[Question]) -> list[Question]:
-    """The questions in turns of their kinds (fact, advice, writing, fact, ...), each kind in file order: any
-    first part of a run then covers every kind in proportion."""
-    by_kind: dict[str, list[Question]] = {}
-    for q in questions:
-        by_kind.setdefault(q.kind, []).append(q)
-    queues = list(by_kind.values())
-    n = len(questions)
-    out: list[Question] = []
-    taken = [0] * len(queues)
-    while len(out) < n:  # the kind furthest behind its share goes next
-        k = min((i for i in range(len(queues)) if taken[i] < len(queues[i])),
-                key=lambda i: (taken[i] + 1) / len(queues[i]))  # fmt: skip
-        out.append(queues[k][taken[k]])
-        taken[k] += 1
-    return out
 
 
 def summary_table(results: list[dict[str, Any]]) -> str:

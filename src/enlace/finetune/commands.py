@@ -121,9 +121,9 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
 def _judge(args: argparse.Namespace) -> int:
     from ..io import atomic_write_json
-    from .assistant import decoding, interleave, judge_assistant, load_assistant, summary_table
+    from .assistant import decoding, judge_assistant, load_assistant, summary_table
     from .chat import CHAT_SAMPLING
-    from .judge import read_questions
+    from .judge import interleave, read_questions
 
     if args.rejudge:
         from .assistant import rejudge

@@ -5,18 +5,13 @@ saw, each judged in Spanish, on topic and free of loops (enlace.finetune.judge).
 from __future__ import annotations
 
 import math
-import re
 import sys
-import unicodedata
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
-from ..data.clean import EN_WORDS, ES_WORDS, is_spanish_lingua
 from ..errors import EnlaceError
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
@@ -25,81 +20,12 @@ from ..lora import set_merged
 from ..model import IGNORE_INDEX
 from ..runtime import setup_runtime
 from .data import Dataset, collate, load_dataset
-from .judge import read_questions
+from .judge import interleave, read_questions
 from .loss import assistant_loss_sum
+from .text_checks import Reply, answer_checks
 
 # Goals from the finetune issue: no looping answer, held-out loss at least 20% below the base model's.
 GOAL_LOSS_REDUCTION = 0.20
-TOKEN = re.compile(r"\w+|[^\w\s]")  # words and single punctuation marks
-WORD = re.compile(r"\w+")
-
-
-def loops(text: str) -> bool:
-    """Whether an answer degenerates into repetition.
-
-    Two signs, each absent from every human-written text in assets/ (624 responses and paragraphs):
-    a span of 2-20 tokens repeated three times in a row ("¿Por qué? ¿Por qué? ¿Por qué?"), or a
-    sequence of four words occurring three times anywhere (a loop with a longer period). A span without
-    letters must repeat six times: "2 × 2 × 2 × 2 × 2" is arithmetic, "1 1 1 1 1 1 1 1 1 1 1 1" a loop.
-    """
-    toks = [t.lower() for t in TOKEN.findall(text)]
-    for span in range(2, min(20, len(toks) // 3) + 1):
-        for i in range(len(toks) - 3 * span + 1):
-            unit = toks[i : i + span]
-            times = 3 if any(c.isalpha() for t in unit for c in t) else 6
-            if all(toks[i + k * span : i + (k + 1) * span] == unit for k in range(1, times)):
-                return True
-    words = [w.lower() for w in WORD.findall(text)]
-    fours = Counter(tuple(words[i : i + 4]) for i in range(len(words) - 3))
-    return max(fours.values(), default=0) >= 3
-
-
-def distinct_2(texts: list[str]) -> float:
-    """Distinct word bigrams over all bigrams of all answers (Li et al. 2016); low means repetitive."""
-    grams = [
-        tuple(ws[i : i + 2])
-        for t in texts
-        for ws in [[w.lower() for w in WORD.findall(t)]]
-        for i in range(len(ws) - 1)
-    ]
-    return len(set(grams)) / len(grams) if grams else 0.0
-
-
-LINGUA_MIN_WORDS = 8  # below this lingua guesses ("¿Por qué? ¿Por qué? ¿Por qué?" came out French)
-
-
-def is_spanish(text: str) -> bool:
-    """More Spanish than English function words (the corpus cleaner's vote, over a whole answer), and, from
-    LINGUA_MIN_WORDS words on, Spanish for lingua among the languages it is confused with: the vote alone
-    takes Portuguese or Italian for Spanish, since they share "de", "a", "que"."""
-    words = [w.lower() for w in WORD.findall(text)]
-    if sum(w in ES_WORDS for w in words) <= sum(w in EN_WORDS for w in words):
-        return False
-    if foreign_script_share(text) > MAX_FOREIGN_SCRIPT:
-        return False
-    return len(words) < LINGUA_MIN_WORDS or is_spanish_lingua(text)
-
-
-MAX_FOREIGN_SCRIPT = 0.05  # a stray symbol passes; a sentence in Cyrillic or Japanese does not
-
-
-def foreign_script_share(text: str) -> float:
-    """Share of letters outside the Latin script: lingua, asked among Latin-script languages, calls an
-    answer that drifts into Russian or Japanese halfway "Spanish" (Gemma's base did, in the chat format)."""
-    letters = [c for c in text if c.isalpha()]
-    if not letters:
-        return 0.0
-    return sum("LATIN" not in unicodedata.name(c, "") for c in letters) / len(letters)
-
-
-def answer_checks(answers: list[str]) -> dict:
-    n = max(len(answers), 1)
-    return {
-        "looping": round(sum(map(loops, answers)) / n, 4),
-        "distinct_2": round(distinct_2(answers), 4),
-        "spanish": round(sum(map(is_spanish, answers)) / n, 4),
-        "mean_words": round(sum(len(WORD.findall(a)) for a in answers) / n, 1),
-    }
 
 
 @torch.no_grad()
@@ -112,13 +38,6 @@ def heldout_loss(model, data: Dataset, pad_id: int, batch: int = 4) -> float:
         s, n = assistant_loss_sum(model, b["input_ids"], b["labels"])
         total, count = total + float(s), count + n
     return total / max(count, 1)
-
-
-@dataclass(frozen=True)
-class Reply:
-    text: str
-    tokens: int  # new tokens generated, the stop token included
-    ended: bool  # stopped at an end id (<end_of_turn>, <eos>, ...) rather than at max_new_tokens
 
 
 def answer(model, tok: HFTokenizer, prompt: str, cfg: FinetuneConfig) -> Reply:
@@ -204,6 +123,8 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
         raise EnlaceError(f"{adapter}: no adapter; run `enlace finetune` first")
     split = None if cfg.questions_split == "all" else cfg.questions_split
     questions = read_questions(Path(cfg.questions), split) if cfg.questions else []  # a bad file fails first
+    if cfg.questions_limit:
+        questions = interleave(questions)[: cfg.questions_limit]
     base = load_model(cfg.base_model, flag="finetune.base_model")
     model, tok = base.model, base.hf_tokenizer("finetune-eval")
     val = load_dataset(tok, Path(cfg.val_data), cfg.format, cfg.max_len, None, cfg.system_prompt)

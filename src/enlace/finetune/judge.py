@@ -256,7 +256,7 @@ def is_bare_name(answer: str) -> bool:
     language checks cannot tell its language. A fact answer that is only such a name, and names a key or a
     competing key, counts as Spanish when written in the Latin script: a Spanish speaker answers so."""
     from ..data.clean import EN_WORDS, ES_WORDS
-    from .evaluate import foreign_script_share
+    from .text_checks import foreign_script_share
 
     words = [w.lower() for w in WORD.findall(answer)]
     return (
@@ -269,7 +269,7 @@ def is_bare_name(answer: str) -> bool:
 def judge(answer: str, question: Question) -> dict:
     """One answer's verdict: each check, the keywords it mentioned, for a fact question whether it is correct
     (None otherwise), and `ok` when it passes them all."""
-    from .evaluate import is_spanish, loops
+    from .text_checks import is_spanish, loops
 
     found = keywords_found(answer, question.keywords)
     verdict = {
@@ -334,4 +334,22 @@ def summary(rows: list[dict]) -> dict:
         lo, hi = wilson(k, n)
         out[check] = {"k": k, "n": n, "rate": round(k / n, 4) if n else None, "low": round(lo, 4),
                       "high": round(hi, 4)}  # fmt: skip
+    return out
+
+
+def interleave(questions: list[Question]) -> list[Question]:
+    """The questions in turns of their kinds (fact, advice, writing, fact, ...), each kind in file order: any
+    first part of a run then covers every kind in proportion."""
+    by_kind: dict[str, list[Question]] = {}
+    for q in questions:
+        by_kind.setdefault(q.kind, []).append(q)
+    queues = list(by_kind.values())
+    n = len(questions)
+    out: list[Question] = []
+    taken = [0] * len(queues)
+    while len(out) < n:  # the kind furthest behind its share goes next
+        k = min((i for i in range(len(queues)) if taken[i] < len(queues[i])),
+                key=lambda i: (taken[i] + 1) / len(queues[i]))  # fmt: skip
+        out.append(queues[k][taken[k]])
+        taken[k] += 1
     return out

@@ -2,7 +2,8 @@
 
 Any model ENLACE can use: one of our pretraining runs (its newest complete checkpoint and the codec of its
 tokenizer), a Hugging Face folder (an import, an export), a LoRA run (its base with its adapter) or a GGUF
-file (imported into a temporary folder by hf.gguf_import), plus an optional LoRA adapter merged in.
+file (imported into a temporary folder by hf.gguf_import), plus an optional LoRA adapter merged in; or an
+assistant spec (configs/assistant/*.yaml, load/preamble.py): a base folder aligned in context by a preamble.
 `Loaded` carries the model with everything a front-end needs around it: encode and decode, the chat
 template, stop ids, the context length, what was loaded in words, and the sampling defaults.
 `enlace generate`, `chat`, `serve`, `eval`, `export`, `finetune` and finetune-eval open models here;
@@ -26,6 +27,7 @@ from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
 from ..model import Llama
 from ..text import ByteCodec, SentencePieceCodec
 from .locate import ModelRef, base_of_lora_run, check_model_folder, locate
+from .preamble import PreambleSpec, load_spec
 from .run import RunStream, load_trained_model, run_codec
 
 __all__ = [
@@ -62,6 +64,8 @@ class Loaded:
     device: str = "cpu"
     # A GGUF file's imported folder (tokenizer.json for token bytes, say): deleted with this object.
     keep: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
+    # An assistant spec's preamble (load/preamble.py): it renders the chat, and its stop strings end an answer.
+    preamble: PreambleSpec | None = None
 
     @property
     def context(self) -> int:
@@ -73,12 +77,22 @@ class Loaded:
         return self.tokenizer.eos_ids if self.tokenizer is not None else tuple(self.codec.eos_ids)
 
     @property
+    def stops(self) -> tuple[str, ...]:
+        """Strings that end an answer besides the end ids: a preamble's next turn."""
+        return tuple(self.preamble.stop) if self.preamble is not None else ()
+
+    @property
     def name(self) -> str:
+        if self.preamble is not None:
+            return self.preamble.name
         return model_name(self.ref.path, self.ref.adapter)
 
     @property
     def chat_template(self) -> Callable[[list[Message]], list[int]] | None:
         """Messages -> prompt ids ending where the assistant's reply begins; None without a chat template."""
+        if self.preamble is not None:
+            spec, tok = self.preamble, self.tokenizer
+            return lambda messages: spec.encode(tok, messages)
         if self.tokenizer is None or self.tokenizer.chat_template is None:
             return None
         tok = self.tokenizer
@@ -150,6 +164,17 @@ def _open_gguf(ref: ModelRef, device: str) -> Loaded:
     return loaded
 
 
+def _open_preamble(ref: ModelRef, device: str) -> Loaded:
+    """The spec's base folder, with the spec rendering every chat: no adapter, no training."""
+    spec = load_spec(ref.path)
+    base = locate(spec.base, None, f"{ref.path}: base")
+    if base.kind != "hf":
+        raise ModelError(f"{ref.path}: base {spec.base} is not a Hugging Face model folder")
+    loaded = _open_hf(base, base.path, device, f"{spec.base}, aligned in context by {ref.path} (no adapter)")
+    loaded.ref, loaded.preamble, loaded.generation = ref, spec, CHAT
+    return loaded
+
+
 def _open_run(ref: ModelRef, device: str) -> Loaded:
     model, meta, ckpt = load_trained_model(ref.path, device)
     source = f"{ckpt} (a pretraining run: plain continuation, no chat template)"
@@ -179,6 +204,8 @@ def load_model(
         loaded = _open_run(ref, str(device))
     elif ref.kind == "gguf":
         loaded = _open_gguf(ref, str(device))
+    elif ref.kind == "preamble":
+        loaded = _open_preamble(ref, str(device))
     else:
         loaded = _open_hf(ref, ref.path, str(device), str(ref.path))
     if weights is not None:

@@ -1,4 +1,5 @@
-"""What a model path is: one of our pretraining runs, a LoRA run, a Hugging Face folder or a GGUF file.
+"""What a model path is: one of our pretraining runs, a LoRA run, a Hugging Face folder, a GGUF file or an
+assistant spec (a base aligned in context by a preamble, configs/assistant/*.yaml).
 
 The one place that tells them apart, so that every command accepts the same paths and refuses a bad one
 with the same one-line error.
@@ -12,16 +13,18 @@ from pathlib import Path
 
 from ..errors import ModelError
 
-KINDS = ("run", "hf", "gguf")
-WHAT = "a run folder, a Hugging Face model folder or a .gguf file"
+KINDS = ("run", "hf", "gguf", "preamble")
+WHAT = "a run folder, a Hugging Face model folder, a .gguf file or an assistant spec (.yaml)"
 
 
 @dataclass(frozen=True)
 class ModelRef:
     """A located model: its kind, the path to open, and the LoRA adapter to merge in (or None)."""
 
-    kind: str  # "run": our pretraining run (checkpoints/); "hf": a Hugging Face folder; "gguf": a GGUF file
-    path: Path  # the run folder, the Hugging Face folder (a LoRA run's base) or the GGUF file
+    # "run": our pretraining run (checkpoints/); "hf": a Hugging Face folder; "gguf": a GGUF file; "preamble":
+    # an assistant spec (load/preamble.py)
+    kind: str
+    path: Path  # the run folder, the Hugging Face folder (a LoRA run's base), the GGUF file or the spec
     adapter: Path | None = None
 
 
@@ -57,7 +60,14 @@ def locate(path: str | Path, adapter: str | Path | None = None, flag: str = "--m
     if not path.exists():
         raise ModelError(f"{flag} {path}: no such folder or file ({WHAT})")
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        suffix = path.suffix.lower()
+        if suffix in (".yaml", ".yml"):
+            if chosen is not None:
+                raise ModelError(
+                    f"--adapter {chosen}: an assistant spec ({path}) serves its base with no adapter"
+                )
+            return ModelRef("preamble", path)
+        if suffix != ".gguf":
             raise ModelError(f"{flag} {path}: not a folder ({WHAT})")
         return ModelRef("gguf", path, chosen)
     # A LoRA run keeps checkpoints/ too: its adapter tells it from a pretraining run.

@@ -322,7 +322,7 @@ class Serving:
     def model_card(self) -> ModelCard:
         s = self.served
         return ModelCard(id=s.name, created=self.created, context_length=s.context,
-                         chat=s.encode_chat is not None, weights=s.weights)  # fmt: skip
+                         chat=s.encode_chat is not None, weights=s.weights, answers=s.source)  # fmt: skip
 
     def gen_request(self, req: Sampling, prompt_ids: list[int], prompt_param: str) -> GenRequest:
         limits, context = self.limits, self.served.context

@@ -1,6 +1,7 @@
 """What `enlace serve` serves: one model, opened by enlace.load (any model path it takes, with a LoRA adapter
 merged in), with the text side the server needs (prompt ids, chat template, streamed decoding, stop ids).
-Without --model: the finetune layer's base model and its run's adapter (the default pipeline's assistant).
+Without --model: the in-context Gemma 3 assistant (paths.DEFAULT_ASSISTANT) once Gemma is imported, else the
+finetune layer's base model and its run's adapter (the default pipeline's assistant).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ..config.extra import GenerationConfig
 from ..errors import EnlaceError
 from ..hf.tokenizer import Message
 from ..load import Loaded, TextStream, locate, model_name
+from ..paths import DEFAULT_ASSISTANT
 
 
 @dataclass
@@ -34,6 +36,9 @@ class Served:
     info: dict = field(default_factory=dict)
     generation: GenerationConfig | None = None  # the model's sampling defaults (enlace.load)
     token_text: Callable[[int], str] = str  # one token id's own text (logprobs name tokens by it)
+    stops: tuple[
+        str, ...
+    ] = ()  # strings that end every answer besides the request's (a preamble's next turn)
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, name: str) -> Served:
@@ -41,7 +46,7 @@ class Served:
             name=name, source=loaded.source, model=loaded.model, context=loaded.context,
             eos_ids=loaded.eos_ids, encode_text=loaded.encode, encode_chat=loaded.chat_template,
             stream=loaded.stream, weights=loaded.weights, device=loaded.device, generation=loaded.generation,
-            token_text=_token_text(loaded),
+            token_text=_token_text(loaded), stops=loaded.stops,
         )  # fmt: skip
 
 
@@ -54,19 +59,30 @@ def _token_text(loaded: Loaded) -> Callable[[int], str]:
 
 
 def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[Path, Path]]) -> tuple:
-    """(kind, path, adapter) for --model/--adapter, as enlace.load.locate tells them; no --model: `default()`."""
+    """(kind, path, adapter) for --model/--adapter, as enlace.load.locate tells them. No --model: the in-context
+    assistant (paths.DEFAULT_ASSISTANT) once its base is imported, else `default()`'s base and adapter."""
+    if model is None and adapter is None and _preamble_ready(DEFAULT_ASSISTANT):
+        return "preamble", DEFAULT_ASSISTANT, None
     if model is None:
         base, adapter_dir = default()
         if not (adapter_dir / "adapter_config.json").exists():
             raise EnlaceError(
-                f"no fine-tuned assistant yet: {adapter_dir} not found; run `make run` (or `dvc repro "
-                f"finetune`) first, or pass --model FOLDER (e.g. --model {base})"
+                f"no assistant yet: {adapter_dir} not found; run `make run` (or `dvc repro finetune`), or "
+                f"import Gemma 3 for {DEFAULT_ASSISTANT} (`dvc repro import-gemma3`), or pass --model FOLDER "
+                f"(e.g. --model {base})"
             )
         if adapter is not None:
             adapter_dir = Path(adapter)
         return "hf", base, adapter_dir
     ref = locate(model, adapter)
     return ref.kind, ref.path, ref.adapter
+
+
+def _preamble_ready(spec: Path) -> bool:
+    """Whether the spec exists and names a base folder that holds a model."""
+    from ..load.preamble import load_spec
+
+    return spec.is_file() and (Path(load_spec(spec).base) / "config.json").exists()
 
 
 def default_name(kind: str, folder: Path, adapter: Path | None) -> str:
@@ -86,4 +102,4 @@ def load_served(
 
     kind, path, adapter_dir = resolve(model, adapter, default)
     loaded = load_model(path, adapter_dir, device=device, weights=weights)
-    return Served.from_loaded(loaded, name or default_name(kind, path, adapter_dir))
+    return Served.from_loaded(loaded, name or loaded.name)

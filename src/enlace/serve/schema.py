@@ -313,6 +313,9 @@ class ModelCard(BaseModel):
     context_length: int
     chat: bool  # whether it has a chat template
     weights: str
+    answers: str = (
+        ""  # what answers, in words: the base and its preamble or adapter (the startup line says it too)
+    )
 
 
 class ModelList(BaseModel):
