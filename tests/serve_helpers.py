@@ -33,7 +33,7 @@ class Server:
             cmd += ["--api-key", api_key]
         self._log = open(log, "w", encoding="utf-8")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180  # loading torch and the model on a busy 2-core machine
+        deadline = time.monotonic() + 300  # loading torch and the model on a busy 2-core machine: a ceiling
         while True:
             if self.proc.poll() is not None:
                 raise AssertionError(f"enlace serve exited with {self.proc.returncode}:\n{self.log_text()}")

@@ -47,10 +47,25 @@ def browser(chromium):
         b.close()
 
 
-def test_chat_page_streams_and_stops(server, browser, tmp_path):
+@pytest.fixture
+def page(browser, server):
     page = browser.new_page(viewport={"width": 1000, "height": 700})
-    # Playwright's waits (wait_for_function, and locators, which wait for their element) default to 30 s.
+    # Every Playwright wait (wait_for_function, a locator waiting for its element, a click waiting for its
+    # button to be enabled) has this ceiling; Playwright's own default is 30 s.
     page.set_default_timeout(WAIT * 1000)
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: console.append(f"error: {e}"))
+    yield page
+    # Printed at teardown, which pytest shows only for a failed test: where the page and the server stood.
+    print("console:", *console, sep="\n  ")
+    print("messages:", page.inner_html("#messages", timeout=5000)[-3000:])
+    print("server /health:", server.health())
+    print("server log:", server.log_text()[-3000:])
+    page.close()
+
+
+def test_chat_page_streams_and_stops(server, page, tmp_path):
     bodies: list[dict] = []
     page.on(
         "request",
@@ -67,9 +82,8 @@ def test_chat_page_streams_and_stops(server, browser, tmp_path):
     answer = page.locator(".msg.assistant").first
     page.wait_for_function("Number(document.querySelector('.msg.assistant').dataset.updates) >= 2")
     seen = answer.locator(".text").text_content()
-    page.wait_for_function(  # still streaming: the text keeps growing
-        f"document.querySelector('.msg.assistant .text').textContent.length > {len(seen)}"
-    )
+    grown = f"document.querySelector('.msg.assistant .text').textContent.length > {len(seen)}"
+    page.wait_for_function(grown)  # still streaming: the text keeps growing
     assert answer.get_attribute("data-state") == "streaming" and not page.is_disabled("#stop")
     page.wait_for_function("document.getElementById('speed').textContent.includes('tokens/s')")
     assert bodies[0]["stream"] is True and bodies[0]["messages"] == [{"role": "user", "content": QUESTION}]
@@ -95,4 +109,3 @@ def test_chat_page_streams_and_stops(server, browser, tmp_path):
     page.click("#stop")
     page.wait_for_function("document.querySelectorAll('.msg.assistant')[1].dataset.state === 'stopped'")
     server.wait_for(lambda h: h["busy"] == 0 and h["cancelled"] == 2, timeout=WAIT, what="second stop")
-    page.close()
