@@ -30,9 +30,11 @@ def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-page")
     # Answers that cannot end before the test stops them, however fast the server or slow the page: the
     # model all but never picks its end token, and the length budget takes far longer to generate than the
-    # test runs (the context holds it after any first answer, so the second answer's budget is as long).
+    # test runs (the context holds it after any first answer, so the second answer's budget is as long). The
+    # second question's prompt holds the first answer, as long as a slow page took to stop it: no prompt cap.
     folder = quiet_eos(make_folder(root / "base", tied=False, max_position_embeddings=2 * MAX_TOKENS))
-    s = Server(["--model", str(folder), "--max-tokens", str(MAX_TOKENS)], cwd=root, log=root / "server.log")
+    args = ["--model", str(folder), "--max-tokens", str(MAX_TOKENS), "--max-prompt-tokens", str(MAX_TOKENS)]
+    s = Server(args, cwd=root, log=root / "server.log")
     yield s
     s.stop()
 
