@@ -1,6 +1,7 @@
 # ENLACE: two commands set everything up on a fresh machine.
 #   make run   install into .venv, then run the default DVC stages on the offline defaults
-#   make test  install into .venv, then run the test suite
+#   make test  install into .venv, then run the test suite (every tier: what CI runs)
+#   make test-fast  the same without the heavy tiers (llama.cpp, browser, Docker, DVC runs, slow)
 #   make docs  the documentation site, built offline into site/ (mkdocs --strict)
 PYTHON ?= python3
 VENV := .venv
@@ -11,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test lint bench bench-es assistant serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
+.PHONY: run test test-fast lint bench bench-es assistant serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -27,7 +28,8 @@ system-deps:
 	  (apt-get install -y -q groff-base >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q groff-base >/dev/null)) || \
 	  echo "warning: groff not installed; man pages will be skipped")
 
-# The chat page's browser test drives Debian's chromium (Playwright's own browser download is not used).
+# The chat page's browser test drives Debian's chromium (Playwright's own browser download is not used); the
+# test's `chromium` fixture (tests/conftest.py) calls this target when chromium is missing.
 browser-deps:
 	@command -v chromium >/dev/null 2>&1 || (command -v apt-get >/dev/null && \
 	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null))) || \
@@ -39,13 +41,22 @@ run: $(STAMP) system-deps
 	$(BIN)/dvc repro $(RUN_STAGES)
 	$(BIN)/enlace report
 
-test: $(STAMP) system-deps browser-deps llama-cpp
+# Tiers are pytest markers (pyproject.toml). The heavy ones set themselves up only when one of their tests is
+# selected: the llama.cpp build (`llamacpp`) and the chromium install (`browser`) are session fixtures in
+# tests/conftest.py that fail, never skip, when the set-up cannot be done. --durations lists the slowest tests.
+FAST := not slow and not llamacpp and not browser and not docker and not dvc
+test: $(STAMP) system-deps
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
+
+test-fast: $(STAMP) system-deps
+	PYTHONPATH=src $(BIN)/lint-imports --no-cache
+	$(BIN)/python -m pytest -q --durations=25 -m "$(FAST)"
 
 # llama.cpp (llama-cpp-python from its pinned PyPI source package, portable AVX2 flags) for the GGUF
-# round-trip tests and the serving benchmark: built once per machine into ~/.cache/enlace/llama-cpp, in a
-# venv of its own (never this one). A second call returns at once; a changed pin or flag rebuilds.
+# round-trip tests (their `llama_cpp` fixture runs the same script) and the serving benchmark: built once per
+# machine into ~/.cache/enlace/llama-cpp, in a venv of its own (never this one). A second call returns at
+# once; a changed pin or flag rebuilds.
 llama-cpp: $(STAMP)
 	$(BIN)/python scripts/llama_cpp_build.py
 

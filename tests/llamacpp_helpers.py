@@ -2,8 +2,9 @@
 
 llama.cpp comes from scripts/llama_cpp_build.py: built once per machine into a cache outside the repository, in a
 venv of its own, so every llama.cpp call is a subprocess (scripts/llama_cpp_worker.py) of that venv's python.
-If it is not built yet, the first caller builds it (minutes, once); if that fails, the test fails saying
-why. Nothing is skipped.
+The session fixture `llama_cpp` (conftest.py) builds it when the first test that requests it runs (minutes,
+once per machine) and marks those tests `llamacpp`; if the build fails, they fail saying why. Nothing is
+skipped.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from enlace.scoring.token_bytes import TokenBytes
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "scripts" / "llama_cpp_worker.py"
-BUILD_TIMEOUT = 3600  # a cold build on 2 busy cores; a warm call returns in well under a second
 
 PROMPTS = [
     "El niño de la casa mira una puerta",
@@ -56,13 +56,15 @@ LOGIT_TOL = 5e-3  # fp32 in both, summed in other orders: what rounding alone ca
 
 
 def llama_python() -> Path:
-    """The llama.cpp venv's python, built first if this machine has none."""
+    """The llama.cpp venv's python; the test must request the `llama_cpp` fixture, which builds it."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")],
-        capture_output=True, text=True, timeout=BUILD_TIMEOUT,
+        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py"), "--check"],
+        capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     if proc.returncode:
-        pytest.fail(f"llama.cpp is not available ({proc.stderr.strip()[-2000:]}); see `make llama-cpp`")
+        pytest.fail(
+            f"{proc.stderr.strip()}: request the `llama_cpp` fixture (tests/conftest.py), which builds it"
+        )
     return Path(proc.stdout.strip().splitlines()[-1])
 
 

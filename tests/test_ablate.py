@@ -159,6 +159,7 @@ def test_second_seed_goes_to_variants_within_the_threshold():
     assert close_to_baseline(prose, 0.0) == []
 
 
+@pytest.mark.slow  # about a minute on 2 busy cores (pytest --durations)
 @pytest.mark.usefixtures("project")
 def test_ablate_end_to_end_on_a_tiny_model(capsys, monkeypatch):
     """Two variants of a tiny byte-level run through the real command: calibration, fitted runs in their

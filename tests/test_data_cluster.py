@@ -19,6 +19,7 @@ FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+@pytest.mark.slow  # over 15 s on 2 busy cores (pytest --durations)
 def test_slurm_executor_gives_the_local_corpus(tmp_path, monkeypatch):
     src = make_text_source(tmp_path / "src", 24, seed=3)
     sources = [{"name": "gen", "kind": "local", "path": str(src)}]

@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from test_data_pipeline import data_config, make_text_source, spanish
 
@@ -25,6 +26,7 @@ def _parents(corpus: Path, split: str, source: str | None = None) -> set[str]:
     return {r["doc"] for r in _rows(corpus / f"{split}.jsonl") if source is None or r["source"] == source}
 
 
+@pytest.mark.slow  # over 15 s on 2 busy cores (pytest --durations)
 def test_one_task_and_four_tasks_give_the_same_corpus_shards_and_batches(tmp_path):
     src = make_text_source(tmp_path / "src", 48, seed=5)
     data = data_config([{"name": "gen", "kind": "local", "path": str(src)}])

@@ -62,6 +62,7 @@ def test_two_processes_match_one(runs):
         assert s1 == s2 and abs(l1 - l2) < 1e-4
 
 
+@pytest.mark.slow  # 30 s on 2 busy cores (pytest --durations)
 def test_two_process_resume_is_exact(runs, tmp_path):
     d, cfg_json = runs
     torchrun(cfg_json, tmp_path / "run", stop_after=3)
@@ -94,6 +95,7 @@ def test_config_world_size_must_match_env(monkeypatch):
         init_distributed("cpu", 1)
 
 
+@pytest.mark.slow  # over 15 s on 2 busy cores (pytest --durations)
 def test_two_processes_match_one_with_muon(tmp_path):
     """Muon + AdamW under DDP: every rank orthogonalises the same all-reduced gradients."""
     muon = {**BASE, "train.optimizer.name": "muon"}

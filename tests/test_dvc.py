@@ -159,6 +159,7 @@ def experiments(show: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.dvc
 def test_dvc_experiments_compare_runs_and_a_clone_pulls_clean(tmp_path):
     repo = tmp_path / "repo"
     repo.mkdir()

@@ -19,6 +19,7 @@ from enlace.train.checkpoint import list_checkpoints
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.dvc,
     pytest.mark.skipif(shutil.which("dvc") is None, reason="dvc is not installed"),
 ]
 ROOT = Path(__file__).resolve().parents[1]

@@ -127,6 +127,7 @@ needs_proc = pytest.mark.skipif(
 
 
 @needs_proc
+@pytest.mark.slow  # 20-45 s each on 2 busy cores (pytest --durations)
 @pytest.mark.parametrize(
     "hw,attention",
     [(CPU, "flash"), (CPU_BF16, "flash"), (CPU, "math"), (CPU, "auto"), (CPU_BF16, "auto")],

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from export_helpers import make_project
-from llamacpp_helpers import check_round_trip, llama_python, random_adapter, run_llama_cpp
+from llamacpp_helpers import check_round_trip, random_adapter, run_llama_cpp
 
 from enlace.cli import main
 from enlace.hf.folder import load_hf_folder
@@ -24,9 +24,9 @@ from enlace.hf.tokenizer import HFTokenizer
 from enlace.load import load_trained_model
 from enlace.scoring.token_bytes import TokenBytes
 
-# The first test on a machine without the cached build builds llama.cpp (minutes on 2 busy cores; `make test`
-# builds it before pytest starts, so there the limit stays the suite's).
-pytestmark = pytest.mark.timeout(3600)
+# Every test here needs llama.cpp: the `llama_cpp` fixture builds it (once per machine) when the first of them
+# runs, and marks them `llamacpp` (conftest.py). That first test carries a cold build: minutes on 2 busy cores.
+pytestmark = [pytest.mark.usefixtures("llama_cpp"), pytest.mark.timeout(3600)]
 
 # The default run's shape (cpu-small: qk_norm, tied embeddings, GQA 2:1, seq_len 256, our sentencepiece
 # BPE with the chat markers), narrower and trained briefly so that greedy text is not a random model's.
@@ -135,12 +135,12 @@ def test_worker_reports_llama_cpp_warnings(default_run, tmp_path):
     assert any("n_ctx_train" in w for w in run.result["load_warnings"]), run.result["load_warnings"]
 
 
-def test_llama_cpp_script_warm_call_is_quick():
+def test_llama_cpp_script_warm_call_is_quick(llama_cpp):
     import subprocess
     import sys
     import time
 
-    llama_python()  # built (once per machine) before the warm call is timed
+    assert llama_cpp.exists()  # built (once per machine) before the warm call is timed
     script = Path(__file__).resolve().parents[1] / "scripts" / "llama_cpp_build.py"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)

@@ -80,6 +80,7 @@ def assert_matches(reference, run_dir):
     assert logged_losses(reference) == logged_losses(run_dir)
 
 
+@pytest.mark.slow  # over 20 s each on 2 busy cores (pytest --durations)
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
 def test_sigkill_during_training(tmp_path, request, optimizer):
     reference = request.getfixturevalue({"adamw": "reference", "muon": "muon_reference"}[optimizer])
