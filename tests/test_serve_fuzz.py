@@ -14,6 +14,8 @@ import pytest
 from helpers import make_folder
 from serve_helpers import Server
 
+pytestmark = pytest.mark.slow  # about a minute on 2 cores: make test runs it, make test-fast does not
+
 EXAMPLES = 60  # per generation mode: about 120 requests in all
 
 
