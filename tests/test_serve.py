@@ -276,11 +276,18 @@ def test_clients_that_hang_up_at_once_leave_no_place_taken(server, client):
 
     body = json.dumps({"messages": MSG, "max_tokens": LONG, "ignore_eos": True, "stream": True}).encode()
     head = f"POST {CHAT} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    before = server.health()
     for _ in range(8):  # more than the slot and the queue hold
         s = socket.create_connection(("127.0.0.1", server.port))
         s.sendall(head.encode() + f"Authorization: Bearer {KEY}\r\n\r\n".encode() + body)
         s.close()
-    server.wait_for(lambda h: h["busy"] == 0 and h["queued"] == 0, what="every place given back")
+
+    def arrived(h: dict) -> int:  # each request is admitted or refused once its body is parsed (off the loop)
+        return h["requests"] + h["refused"] - before["requests"] - before["refused"]
+
+    server.wait_for(
+        lambda h: arrived(h) >= 8 and h["busy"] == 0 and h["queued"] == 0, what="all 8 seen, every place back"
+    )
     assert client.chat.completions.create(model="base+finetune", messages=MSG, max_tokens=2).choices
 
 
