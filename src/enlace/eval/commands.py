@@ -130,6 +130,9 @@ def _report(args: argparse.Namespace) -> int:
         print(samples.read_text(encoding="utf-8").strip())
     if not shown:
         raise EnlaceError("no results yet: run `make run` (or `dvc repro`) first")
+    from ..serve.loader import default_in_words
+
+    print(f"== `make serve` answers with {default_in_words(paths.RUNS / 'finetune' / 'adapter')}")
     return 0
 
 
