@@ -207,7 +207,11 @@ def test_in_run_val_equals_eval_stage_and_references_are_scored(tmp_path, monkey
     assert f"{m['prose_new_bpb']:.4f}" in report and f"{m['prose_all_bpb']:.4f}" in report
     assert f"new: {prose_new} ({m['prose_new_bytes']} bytes)" in report
     # It ends by naming what `make serve` would answer with: here no assistant exists yet, and it says how.
-    assert report.rstrip().splitlines()[-1].startswith("== `make serve` answers with nothing yet: import Gemma 3")
+    assert (
+        report.rstrip()
+        .splitlines()[-1]
+        .startswith("== `make serve` answers with nothing yet: import Gemma 3")
+    )
 
 
 def test_missing_second_prose_text_is_named(tmp_path):

@@ -81,7 +81,9 @@ def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[
 def default_in_words(adapter_dir: Path) -> str:
     """What `enlace serve` without --model would answer with now, in words (the end of `enlace report`)."""
     if _preamble_ready(DEFAULT_ASSISTANT):
-        return f"the in-context assistant {DEFAULT_ASSISTANT} (the Gemma 3 270M base, no adapter, no training)"
+        return (
+            f"the in-context assistant {DEFAULT_ASSISTANT} (the Gemma 3 270M base, no adapter, no training)"
+        )
     if (adapter_dir / "adapter_config.json").exists():
         return f"the LoRA adapter {adapter_dir} on its base (`make finetune`)"
     return f"nothing yet: import Gemma 3 (`dvc repro import-gemma3`) for {DEFAULT_ASSISTANT}"
