@@ -158,3 +158,53 @@ def test_fp16_muon_run_skips_a_nan_step_and_resumes_exactly(tmp_path, monkeypatc
     run(tmp_path / "b", o)
     assert_same_checkpoint(final(tmp_path / "a"), final(tmp_path / "b"))
     assert final(tmp_path / "b").name == step_dirname(6)
+
+
+def stepped_matrices(make, shapes, steps=3):
+    """The matrices after `steps` updates of the same fixed gradients, by the optimizer `make` builds."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s, generator=gen) * 0.02) for s in shapes]
+    grads = [[torch.randn(*s, generator=gen) for s in shapes] for _ in range(steps)]
+    opt = make(params)
+    for step_grads in grads:
+        for p, g in zip(params, step_grads, strict=True):
+            p.grad = g.clone()
+        opt.step()
+    return [p.detach().clone() for p in params], opt
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_muon_in_bf16_is_torchs_bit_for_bit_and_fp32_is_more_exact(adjust):
+    """ENLACE's Muon with bf16 Newton-Schulz gives torch.optim.Muon's bits (wide, tall and square matrices,
+    decay on); in fp32 it differs, and its orthogonalised update is closer to the fp64 iteration's."""
+    from enlace.train.optim import Muon, orthogonalize
+
+    shapes = [(24, 16), (16, 24), (16, 16)]
+    args = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5, adjust_lr_fn=adjust)
+    ours, opt = stepped_matrices(lambda ps: Muon([{"params": ps}], ns_dtype=torch.bfloat16, **args), shapes)
+    theirs, _ = stepped_matrices(lambda ps: torch.optim.Muon([{"params": ps}], **args), shapes)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    fp32, _ = stepped_matrices(lambda ps: Muon([{"params": ps}], ns_dtype=torch.float32, **args), shapes)
+    assert not any(torch.equal(a, b) for a, b in zip(fp32, theirs, strict=True))
+
+    group = opt.param_groups[0]
+    update = torch.randn(24, 16, generator=torch.Generator().manual_seed(1))
+    exact = orthogonalize(update.double(), group, torch.float64)
+    err = {
+        dt: (orthogonalize(update, group, dt).double() - exact).abs().max().item()
+        for dt in (torch.bfloat16, torch.float32)
+    }
+    assert err[torch.float32] < 1e-5 < err[torch.bfloat16]
+
+
+def test_fp32_newton_schulz_trains_and_resumes_bit_exactly(tmp_path):
+    """optimizer.muon.ns_dtype=fp32 through the real training loop: stopped and resumed equals uninterrupted,
+    and the run is not the bf16 one."""
+    fp32 = {"train.optimizer.muon.ns_dtype": "fp32"}
+    straight = run(tmp_path / "a", fp32)
+    run(tmp_path / "b", fp32, stop_after=4)
+    resumed = run(tmp_path / "b", fp32)
+    assert resumed.resumed_from == 4 and resumed.step == straight.step == 8
+    assert_same_checkpoint(final(tmp_path / "a"), final(tmp_path / "b"))
+    run(tmp_path / "bf16")
+    assert logged_losses(tmp_path / "bf16") != logged_losses(tmp_path / "a")

@@ -12,6 +12,7 @@ TrainLoader = Literal["bytes", "shards"]  # bytes: the smoke stage's raw UTF-8; 
 InstructFormat = Literal["dolly", "chat"]  # instruction data rows (finetune/data.py)
 OptimizerName = Literal["adamw", "muon"]  # adamw for everything, or muon for the hidden matrices
 MuonAdjustLr = Literal["original", "match_rms_adamw"]  # how torch.optim.Muon scales lr by matrix shape
+NewtonSchulzDtype = Literal["bf16", "fp32"]  # the dtype of Muon's Newton-Schulz matmuls (train/optim.py)
 DecodeWeights = Literal["auto", "fp32", "bf16", "int8"]  # generation weights (generate.decode_weights)
 
 

@@ -2,7 +2,14 @@
 
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, model_validator
 
-from ..choices import DecayShape, MuonAdjustLr, OnIdentityChange, OptimizerName, TrainLoader
+from ..choices import (
+    DecayShape,
+    MuonAdjustLr,
+    NewtonSchulzDtype,
+    OnIdentityChange,
+    OptimizerName,
+    TrainLoader,
+)
 from .base import Strict
 
 
@@ -30,6 +37,9 @@ class MuonConfig(Strict):
     # "original": lr * sqrt(max(1, rows/cols)); "match_rms_adamw": lr * 0.2 * sqrt(max(rows, cols)), the
     # update RMS of AdamW, so AdamW's lr and weight decay carry over (then set lr near optimizer.lr).
     adjust_lr: MuonAdjustLr = "original"
+    # The Newton-Schulz matmuls' dtype. bf16 is torch.optim.Muon's own (fast where the CPU or GPU has bf16
+    # units); fp32 for CPUs without them (the fp32 kind), which would emulate bf16 by converting to fp32.
+    ns_dtype: NewtonSchulzDtype = "bf16"
 
 
 class AdamWConfig(Strict):

@@ -13,6 +13,7 @@ peak lr over AdamW's) gives it its own peak.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -135,6 +136,53 @@ class OptimizerChain:
 Optimizer = torch.optim.Optimizer | OptimizerChain
 
 
+def orthogonalize(update: torch.Tensor, group: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz's quintic iteration towards the nearest orthogonal matrix, in `dtype`: the same
+    operations, in the same order, as torch.optim.Muon's (which always uses bf16), so bf16 gives its bits."""
+    a, b, c = group["ns_coefficients"]
+    x = update.to(dtype)
+    wide = update.size(0) > update.size(1)
+    if wide:
+        x = x.T
+    x.div_(x.norm().clamp(min=group["eps"]))  # spectral norm at most 1, where the iteration converges
+    for _ in range(group["ns_steps"]):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if wide else x
+
+
+class Muon(torch.optim.Muon):
+    """torch.optim.Muon with the Newton-Schulz iteration in a chosen dtype: fp32 where the CPU has no bf16
+    units (it would emulate them). The state and parameter groups are torch's, so checkpoints carry over."""
+
+    def __init__(self, params: list[dict], ns_dtype: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(params, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            buffers: list[torch.Tensor] = []
+            self._init_group(group, params, grads, buffers)
+            lr, momentum = group["lr"], group["momentum"]
+            for p, grad, buf in zip(params, grads, buffers, strict=True):
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                ortho = orthogonalize(update, group, self.ns_dtype)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(ortho, alpha=-lr * shape_scale(group["adjust_lr_fn"], p.shape))
+
+
+def shape_scale(adjust_lr: str, shape: torch.Size) -> float:
+    """Muon's lr factor for a rows x cols matrix, as torch.optim.Muon's adjust_lr_fn defines it."""
+    rows, cols = shape[:2]
+    if adjust_lr == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    return math.sqrt(max(1, rows / cols))
+
+
 def build_optimizer(model: nn.Module, opt: OptimizerConfig, device_type: str = "cpu") -> Optimizer:
     # fused on CUDA (one kernel for all params); foreach on CPU, which is deterministic there and
     # matches the reference loop bit for bit run after run.
@@ -145,10 +193,11 @@ def build_optimizer(model: nn.Module, opt: OptimizerConfig, device_type: str = "
         )
     matrices = muon_group(model, opt)
     m = opt.muon
-    # torch 2.13's Muon has one code path (a loop over the matrices, no foreach/fused), deterministic on
-    # CPU: Newton-Schulz runs in bf16 matmuls, which give the same bits for the same shapes and threads.
-    muon = torch.optim.Muon(
+    # A loop over the matrices (torch 2.13's Muon has no foreach/fused path either), deterministic on CPU:
+    # the Newton-Schulz matmuls give the same bits for the same shapes and threads, in bf16 or fp32.
+    muon = Muon(
         [matrices],
+        ns_dtype=torch.float32 if m.ns_dtype == "fp32" else torch.bfloat16,
         lr=m.lr,
         weight_decay=m.weight_decay,
         momentum=m.momentum,
