@@ -88,7 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = _api_key(args)
     _setup_runtime(args.device)
     served = load_served(
-        args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name
+        args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name, args.head
     )
     slots = args.slots
     engine = Engine(served, slots=slots, queue=args.queue, prompt_cache=args.prompt_cache)
@@ -113,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from ..choices import HEAD_HELP, HeadWeights, values
     from ..finetune.commands import _common as finetune_common
 
     p = sub.add_parser(
@@ -165,6 +166,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "--weights", default="auto", choices=("auto", "fp32", "bf16", "int8"),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
     )  # fmt: skip
+    p.add_argument(
+        "--head",
+        default="same",
+        choices=values(HeadWeights),
+        help=HEAD_HELP,
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
