@@ -103,3 +103,81 @@ def test_a_tied_int8_model_keeps_one_copy_of_its_embedding():
     ref = model().model.embed_tokens(x)
     got = low.model.embed_tokens(x).float()
     assert (got - ref).norm() / ref.norm() < 0.02
+
+
+# ---- an int8 output head on an fp32 model (--head int8): Gemma 3's 262k-row head ----
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    from gemma_helpers import tiny_gemma_folder
+
+    return tiny_gemma_folder(tmp_path_factory.mktemp("head") / "gemma")
+
+
+def test_an_int8_head_keeps_gemmas_logits_in_one_copy(gemma_folder):
+    from enlace.hf.folder import load_hf_folder
+    from enlace.load import load_model
+
+    ref = load_hf_folder(gemma_folder).eval()
+    loaded = load_model(gemma_folder, weights="fp32", head="int8")
+    low, cfg = loaded.model, ref.cfg
+    assert loaded.weights == "fp32 (int8 head)" and isinstance(low.lm_head, Int8Linear) and cfg.tie_embeddings
+    assert next(low.parameters()).dtype == torch.float32  # the rest, and so the KV cache, stay fp32
+    held = {id(t): t for t in [*low.parameters(), *low.buffers()]}.values()
+    table = [t for t in held if t.dim() == 2 and t.shape == (cfg.vocab_size, cfg.d_model)]
+    assert [t.dtype for t in table] == [torch.int8]  # one copy, int8: no fp32 embedding left
+    torch.manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        emb_ref, emb = ref.model.embed_tokens(x), low.model.embed_tokens(x)
+        a, b = ref(x).logits, low(x).logits
+    assert emb.dtype == torch.float32 and (emb - emb_ref).norm() / emb_ref.norm() < 0.01
+    assert b.dtype == torch.float32 and (a - b).norm() / a.norm() < 0.03  # a bounded error
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9  # the likeliest token mostly the same
+    # A loss over the int8 head scores what decoding computes (its dequantised rows, not its int8 codes).
+    y = torch.randint(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        ce = low(x, targets=y).ce
+    assert ce.item() == pytest.approx(F.cross_entropy(b.flatten(0, 1), y.flatten()).item(), abs=1e-4)
+    assert list(generate(low, [2, 5, 9], 6)) == list(generate(low, [2, 5, 9], 6))
+
+
+def test_an_int8_head_is_refused_off_cpu_and_unknown_heads_are_named(gemma_folder):
+    from enlace.errors import EnlaceError
+    from enlace.load import load_model
+
+    with pytest.raises(EnlaceError, match="--head int8 on cuda: the int8 kernel is torch's CPU one"):
+        load_model(gemma_folder, weights="bf16", device="cuda", head="int8")
+    with pytest.raises(EnlaceError, match="--head int4: choose from same, int8"):
+        load_model(gemma_folder, weights="fp32", head="int4")
+
+
+def test_the_head_benchmark_gives_bits_per_byte_both_ways(gemma_folder, tmp_path):
+    """`python -m bench.bench_head_int8` on the tiny Gemma: what it reports, and a small cost."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gemma_helpers import TEXTS
+
+    root = Path(__file__).resolve().parents[1]
+    text = tmp_path / "prosa.txt"
+    text.write_text(" ".join(TEXTS[:6]), encoding="utf-8")
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.bench_head_int8",
+        str(gemma_folder),
+        "--prose",
+        str(text),
+        "--context",
+        "64",
+    ]
+    out = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["prose_bytes"] == len(text.read_bytes()) and r["positions_compared"] > 0 and r["context"] == 64
+    assert r["fp32_bpb"] > 0 and abs(r["bpb_change_percent"]) < 2
+    assert r["logits_relative_error"] < 0.03 and r["argmax_agreement"] >= 0.9

@@ -14,6 +14,11 @@ OptimizerName = Literal["adamw", "muon"]  # adamw for everything, or muon for th
 MuonAdjustLr = Literal["original", "match_rms_adamw"]  # how torch.optim.Muon scales lr by matrix shape
 NewtonSchulzDtype = Literal["bf16", "fp32"]  # the dtype of Muon's Newton-Schulz matmuls (train/optim.py)
 DecodeWeights = Literal["auto", "fp32", "bf16", "int8"]  # generation weights (generate.decode_weights)
+HeadWeights = Literal["same", "int8"]  # the output head's: as the rest, or int8 (generate.HEAD_WEIGHTS)
+HEAD_HELP = (
+    "the output head's weights: same (as --weights) or int8 (weight-only, a scale per row, whatever --weights "
+    "is; a tied embedding reads the same rows: one int8 copy)"
+)
 
 
 def values(alias: object) -> tuple[str, ...]:

@@ -17,6 +17,8 @@ from .model import KVCache, Llama
 
 # auto: bf16 on a CPU with native bf16 (avx512_bf16 or AMX), else fp32 as loaded.
 DECODE_WEIGHTS = ("auto", "fp32", "bf16", "int8")
+# The output head's weights: as the rest of the model, or int8 whatever the rest is (decode_weights).
+HEAD_WEIGHTS = ("same", "int8")
 
 
 def resolve_decode_weights(
@@ -63,30 +65,36 @@ class PackedLinear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """Weight-only int8 (symmetric, one scale per output row); activations stay bf16.
+    """Weight-only int8 (symmetric, one scale per output row); activations in the scales' dtype (bf16, or
+    fp32 for an int8 head on an fp32 model), as is the output.
 
     torch's CPU kernel for this (_weight_int8pack_mm) reads a quarter of fp32's bytes and is the fastest
-    decode path here; quantisation error is reported by bench_generate next to its speed.
+    decode path here; quantisation error is reported by bench_generate next to its speed, and the head's
+    in bits per byte by bench/bench_head_int8.py.
     """
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scales", scale.to(torch.bfloat16))
+        self.register_buffer("scales", scale.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, as an fp32 matrix (a new tensor: for scoring, not decoding)."""
+        return self.weight.float() * self.scales.float()[:, None]
 
 
 class Int8Embedding(nn.Module):
     """The input embedding of a tied model read from its int8 output head: one copy of the weights.
 
-    A row is the head's int8 row times its scale, in bf16 (the dtype the embedding has after decode_weights).
+    A row is the head's int8 row times its scale, in the scales' dtype (the model's after decode_weights).
     """
 
     def __init__(self, head: Int8Linear):
@@ -95,7 +103,7 @@ class Int8Embedding(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         head = self.head[0]
-        return head.weight[idx].to(torch.bfloat16) * head.scales[idx].unsqueeze(-1)
+        return head.weight[idx].to(head.scales.dtype) * head.scales[idx].unsqueeze(-1)
 
 
 @torch.no_grad()
@@ -104,6 +112,7 @@ def decode_weights(
     weights: str = "auto",
     device: str | torch.device = "cpu",
     flags: frozenset[str] | None = None,
+    head: str = "same",
 ) -> Llama:
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
@@ -112,15 +121,22 @@ def decode_weights(
     model keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a
     second copy, as oneDNN's blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8
     is refused.
+    head "int8": the output head in int8 whatever `weights` is (quantised from the fp32 weights, its
+    activations in the model's dtype), and a tied embedding reads its rows: one int8 copy where Gemma 3
+    270M's 262k x 640 head and embedding were 63% of its fp32 bytes.
     flags: the CPU's instruction-set flags, as resolve_decode_weights takes them.
     """
     weights = resolve_decode_weights(weights, device, flags)
+    cpu = torch.device(device).type == "cpu"
+    if head not in HEAD_WEIGHTS:
+        raise ValueError(f"head weights {head!r}: choose from {', '.join(HEAD_WEIGHTS)}")
+    if "int8" in (weights, head) and not cpu:
+        raise ValueError("int8 decode weights use torch's CPU kernel; use bf16 on a GPU")
+    if head == "int8" and weights != "int8":
+        int8_head(model.eval())
     if weights == "fp32":
         return model
-    cpu = torch.device(device).type == "cpu"
-    if weights == "int8" and not cpu:
-        raise ValueError("int8 decode weights use torch's CPU kernel; use bf16 on a GPU")
-    model.eval().to(torch.bfloat16)
+    model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's
     if not cpu or (weights == "bf16" and not torch.backends.mkldnn.is_available()):
         return model
     make = PackedLinear if weights == "bf16" else Int8Linear
@@ -129,6 +145,15 @@ def decode_weights(
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, make(child))
     if weights == "int8" and model.cfg.tie_embeddings:
+        model.model.embed_tokens = Int8Embedding(model.lm_head)
+    return model
+
+
+def int8_head(model: Llama) -> Llama:
+    """The output head in int8 with one fp32 scale per row, in place; a tied embedding then reads the same
+    int8 rows (dequantised), so the fp32 matrix is freed and one int8 copy serves both."""
+    model.lm_head = Int8Linear(model.lm_head, dtype=torch.float32)
+    if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model
 

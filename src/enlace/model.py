@@ -417,8 +417,14 @@ class Llama(nn.Module):
         h = self.hidden_states(idx, cache)
         if targets is None:
             return Output(self.lm_head(h[:, -1:] if last_only else h))
-        loss, ce, z = fused_lm_loss(h, self.lm_head.weight, targets, self.cfg.z_loss_weight)
+        loss, ce, z = fused_lm_loss(h, self.head_weight(), targets, self.cfg.z_loss_weight)
         return Output(None, loss, ce, z)
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's weight [vocab, d]. A quantised head (generate.Int8Linear: its `weight` is the
+        int8 codes) gives the matrix it multiplies by, so a loss scores what decoding computes."""
+        dequantized = getattr(self.lm_head, "dequantized", None)
+        return dequantized() if dequantized is not None else self.lm_head.weight
 
 
 # Logits computed at once by fused_lm_loss: 2^24 fp32 values (64 MiB) whatever the vocabulary. Smaller

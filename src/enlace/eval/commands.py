@@ -78,7 +78,7 @@ def _generate(args: argparse.Namespace) -> int:
     check_sampling(  # before loading a model: a bad option costs nothing
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p
     )
-    loaded = load_model(args.model, args.adapter, device=args.device, weights=args.weights)
+    loaded = load_model(args.model, args.adapter, device=args.device, weights=args.weights, head=args.head)
     if args.raw or loaded.ref.kind == "run":
         ids, prefix = loaded.encode(args.prompt), args.prompt  # our runs continue text: no chat template
     else:
@@ -137,7 +137,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+    from ..choices import (
+        HEAD_HELP,
+        DecodeWeights,
+        HeadWeights,
+        values,
+    )  # no torch: `enlace --help` stays fast
     from ..config.extra import GENERATE
 
     p = sub.add_parser("eval", parents=[common], help="stage 6: val loss, perplexity, bits/byte, samples")
@@ -183,6 +188,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         default="auto",
         choices=values(DecodeWeights),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only, CPU)",
+    )
+    p.add_argument(
+        "--head",
+        default="same",
+        choices=values(HeadWeights),
+        help=HEAD_HELP,
     )
     p.set_defaults(handler=_generate)
 

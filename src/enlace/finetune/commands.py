@@ -172,7 +172,7 @@ def _chat(args: argparse.Namespace) -> int:
         # Bad bytes become lone surrogates line by line (a strict decoder fails a whole buffered chunk
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.
         sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
-    loaded = load_model(args.model, args.adapter, weights=args.weights)  # weights checked before loading
+    loaded = load_model(args.model, args.adapter, weights=args.weights, head=args.head)  # checked first
     tok = loaded.hf_tokenizer("enlace chat")
     if loaded.chat_template is None:
         raise EnlaceError(
@@ -257,7 +257,8 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
 
 
 def _register_chat(sub: argparse._SubParsersAction) -> None:
-    from ..choices import DecodeWeights, values  # no torch: `enlace --help` stays fast
+    # No torch: `enlace --help` stays fast.
+    from ..choices import HEAD_HELP, DecodeWeights, HeadWeights, values
     from ..config.extra import CHAT
     from ..paths import SMOLLM2_DIR
 
@@ -289,5 +290,11 @@ def _register_chat(sub: argparse._SubParsersAction) -> None:
         default="auto",
         choices=values(DecodeWeights),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
+    )
+    p.add_argument(
+        "--head",
+        default="same",
+        choices=values(HeadWeights),
+        help=HEAD_HELP,
     )
     p.set_defaults(handler=_chat)

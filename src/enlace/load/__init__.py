@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config.extra import CHAT, GenerationConfig
-from ..errors import ModelError
+from ..errors import HardwareError, ModelError
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
 from ..model import Llama
@@ -190,15 +190,21 @@ def load_model(
     device: str | torch.device = "cpu",
     weights: str | None = None,
     flag: str = "--model",
+    head: str = "same",
 ) -> Loaded:
     """Open any model ENLACE can use (see the module docstring); `flag` names `path` in errors.
 
     weights: decode weights to convert to (auto, fp32, bf16, int8; see generate.decode_weights), checked
     before anything is read; None keeps the fp32 weights a model trains and scores with.
+    head: "int8" puts the output head (and a tied embedding) in int8 whatever the rest is (--head).
     """
-    from ..generate import decode_weights, resolve_decode_weights
+    from ..generate import HEAD_WEIGHTS, decode_weights, resolve_decode_weights
 
     resolved = resolve_decode_weights(weights, device) if weights is not None else "fp32"
+    if head not in HEAD_WEIGHTS:
+        raise ModelError(f"--head {head}: choose from {', '.join(HEAD_WEIGHTS)}")
+    if head == "int8" and torch.device(device).type != "cpu":
+        raise HardwareError(f"--head int8 on {device}: the int8 kernel is torch's CPU one; leave --head out")
     ref = locate(path, adapter, flag)
     if ref.kind == "run":
         loaded = _open_run(ref, str(device))
@@ -208,7 +214,7 @@ def load_model(
         loaded = _open_preamble(ref, str(device))
     else:
         loaded = _open_hf(ref, ref.path, str(device), str(ref.path))
-    if weights is not None:
-        decode_weights(loaded.model, resolved, device)
-        loaded.weights = resolved
+    if weights is not None or head != "same":
+        decode_weights(loaded.model, resolved, device, head=head)
+        loaded.weights = resolved if head == "same" or resolved == "int8" else f"{resolved} ({head} head)"
     return loaded

@@ -10,6 +10,7 @@ from pathlib import Path
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 DEFAULT_QUEUE = 16
 DEFAULT_MAX_PROMPT_TOKENS, DEFAULT_MAX_TOKENS = 2048, 512
+DEFAULT_PROMPT_CACHE = 2048  # = engine.PROMPT_CACHE
 DEFAULT_BODY_TIMEOUT, DEFAULT_QUEUE_TIMEOUT = 10.0, 60.0
 # Connections and requests uvicorn takes at once beyond the slots and the queue (keep-alive clients, /health,
 # the page, refusals); past them it answers 503 without calling the app.
@@ -77,18 +78,20 @@ def _serve(args: argparse.Namespace) -> int:
     from .api import Limits, create_app
     from .engine import Engine
     from .loader import load_served
+    from .prefix import prompt_cache_words
 
     for flag, value, least in (("--slots", args.slots, 1), ("--queue", args.queue, 0),
                                ("--max-prompt-tokens", args.max_prompt_tokens, 1),
-                               ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0)):  # fmt: skip
+                               ("--max-tokens", args.max_tokens, 1), ("--port", args.port, 0),
+                               ("--prompt-cache", args.prompt_cache, 0)):  # fmt: skip
         _positive(flag, value, least)
     api_key = _api_key(args)
     _setup_runtime(args.device)
     served = load_served(
-        args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name
+        args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name, args.head
     )
     slots = args.slots
-    engine = Engine(served, slots=slots, queue=args.queue)
+    engine = Engine(served, slots=slots, queue=args.queue, prompt_cache=args.prompt_cache)
     limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
                     body_timeout=args.body_timeout, queue_timeout=args.queue_timeout)  # fmt: skip
     app = create_app(engine, limits, api_key=api_key, host=args.host, cors_origins=tuple(args.cors_origin))
@@ -96,7 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
     shown = "[::1]" if args.host == "::1" else args.host
     print(
         f"serving {served.name} ({served.source}; {served.weights} weights, context {served.context}, "
-        f"{slots} slot(s), queue {args.queue}{', API key required' if api_key else ''})\n"
+        f"{slots} slot(s), queue {args.queue}, {prompt_cache_words(served.model, args.prompt_cache)}"
+        f"{', API key required' if api_key else ''})\n"
         f"chat page: http://{shown}:{args.port}/   API: http://{shown}:{args.port}/v1",
         flush=True,
     )
@@ -109,6 +113,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from ..choices import HEAD_HELP, HeadWeights, values
     from ..finetune.commands import _common as finetune_common
 
     p = sub.add_parser(
@@ -161,6 +166,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "--weights", default="auto", choices=("auto", "fp32", "bf16", "int8"),
         help="decode weights (auto: bf16 on a CPU with native bf16, else fp32; int8: weight-only)",
     )  # fmt: skip
+    p.add_argument(
+        "--head",
+        default="same",
+        choices=values(HeadWeights),
+        help=HEAD_HELP,
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,
@@ -169,5 +180,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.add_argument(
         "--max-tokens", dest="max_tokens", type=int, default=DEFAULT_MAX_TOKENS,
         help=f"most new tokens per request, and the default when a request names none (default {DEFAULT_MAX_TOKENS})",
+    )  # fmt: skip
+    p.add_argument(
+        "--prompt-cache", dest="prompt_cache", type=int, default=DEFAULT_PROMPT_CACHE, metavar="TOKENS",
+        help="positions of prompt KV kept for reuse: a prompt that starts with tokens already computed (the "
+        f"preamble, a conversation's earlier turns) prefills only the rest (default {DEFAULT_PROMPT_CACHE}; 0: off)",
     )  # fmt: skip
     p.set_defaults(handler=_serve)

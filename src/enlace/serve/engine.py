@@ -6,7 +6,9 @@ token per job, each job in its own row of a slot cache (enlace.model.SlotCache) 
 that gets a slot is prefilled alone (generate's own path, into its row) between two steps and joins the
 batch; one that ends leaves it, and its row goes to the last active job. Each job keeps its own sampler,
 seed and repetition guard, exactly as `enlace.generate.generate` draws them, so its tokens do not depend on
-who else is decoding. The thread hands each step's text to the loop in one call. A job stops between two
+who else is decoding. A prompt that starts with tokens whose KV the engine computed before (the preamble, a
+conversation's earlier turns) gets that prefix copied into its row and prefills only the rest
+(serve/prefix.py). The thread hands each step's text to the loop in one call. A job stops between two
 steps once its `cancel` event is set: the client disconnected, or the server stops. Admission is decided
 at once: a request that finds every slot busy and the queue full is refused, never parked; one admitted
 waits for a slot at most a set time. /health turns "degraded" after DEGRADED_AFTER generations in a row
@@ -28,9 +30,11 @@ import torch
 from ..generate import RepeatGuard, sample_next
 from ..model import KVCache, SlotCache
 from .loader import Served
+from .prefix import PrefixCache
 
 log = logging.getLogger("enlace.serve")
 DEGRADED_AFTER = 3  # failed generations in a row
+PROMPT_CACHE = 2048  # positions of prompt KV kept for reuse by default (enlace serve --prompt-cache)
 GENERIC_FAILURE = "generation failed (the server's log has the details)"
 
 
@@ -123,6 +127,8 @@ class _Slot:
     stream: Any  # a TextStream
     scan: StopScanner
     budget: int  # new tokens it may still generate in all
+    ids: list[int] = field(default_factory=list)  # the tokens whose KV its row holds (prompt, then fed ones)
+    cached: int = 0  # prompt positions copied from the prefix cache, not prefilled
     length: int = 0  # positions in its cache row
     token: int = 0  # the token the next step feeds
     n: int = 0
@@ -134,18 +140,24 @@ class _Slot:
 class Engine:
     """The served model behind `slots` rows of one compute thread and a waiting queue of `queue` requests."""
 
-    def __init__(self, served: Served, slots: int = 1, queue: int = 16):
+    def __init__(self, served: Served, slots: int = 1, queue: int = 16, prompt_cache: int = PROMPT_CACHE):
+        """prompt_cache: positions of prompt KV kept for reuse (serve/prefix.py), 0 for none."""
         if slots < 1:
             raise ValueError(f"slots {slots}: must be at least 1")
         if queue < 0:
             raise ValueError(f"queue {queue}: must be >= 0")
+        if prompt_cache < 0:
+            raise ValueError(f"prompt_cache {prompt_cache}: must be >= 0")
         self.served, self.slots, self.queue = served, slots, queue
         self._free: asyncio.Semaphore | None = None  # made on the server's loop
         self.admitted = 0  # running + waiting; only the loop thread touches it
         self.running: set[Job] = set()
         self.consecutive_failures = 0
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0, "refused": 0,
-                      "tokens_generated": 0}  # fmt: skip
+                      "tokens_generated": 0, "prompt_tokens": 0, "prompt_tokens_cached": 0,
+                      "prompt_cache_hits": 0}  # fmt: skip
+        # Only the compute thread touches it; status() reads its size (a stale figure at worst).
+        self._prefix = PrefixCache(prompt_cache) if prompt_cache else None
         # The compute thread's side: jobs handed over, the batch, its cache, events not yet delivered.
         self._wake = threading.Condition()
         self._incoming: list[Job] = []
@@ -167,8 +179,11 @@ class Engine:
 
     def status(self) -> dict[str, Any]:
         busy = len(self.running)
+        prefix = self._prefix
+        cache = {"prompt_cache_limit": prefix.limit if prefix else 0,
+                 "prompt_cache_tokens": prefix.tokens if prefix else 0}  # fmt: skip
         return {"slots": self.slots, "busy": busy, "queued": self.admitted - busy, "queue": self.queue,
-                **self.stats, "consecutive_failures": self.consecutive_failures}  # fmt: skip
+                **self.stats, **cache, "consecutive_failures": self.consecutive_failures}  # fmt: skip
 
     def admit(self, req: GenRequest) -> Job:
         """A job holding a place in the queue; QueueFull at once when there is none."""
@@ -230,8 +245,9 @@ class Engine:
             job.state = "gone"
             self.admitted -= 1
 
-    def _done(self, job: Job, finish: str | None, n: int) -> None:
-        """On the loop: the compute thread let the job go (finish None: it failed)."""
+    def _done(self, job: Job, finish: str | None, n: int, prompt: int = 0, cached: int = 0) -> None:
+        """On the loop: the compute thread let the job go (finish None: it failed) after n new tokens, its
+        prompt's `cached` positions of `prompt` copied from the prefix cache."""
         self.running.discard(job)
         self.admitted -= 1
         self.free.release()
@@ -240,6 +256,9 @@ class Engine:
             self.consecutive_failures += 1
             return
         self.stats["tokens_generated"] += n
+        self.stats["prompt_tokens"] += prompt
+        self.stats["prompt_tokens_cached"] += cached
+        self.stats["prompt_cache_hits"] += cached > 0
         self.stats["cancelled" if finish == "cancelled" else "completed"] += 1
         if finish != "cancelled":
             self.consecutive_failures = 0
@@ -308,9 +327,12 @@ class Engine:
             slot.stream = served.stream(r.prompt_ids)
             cache = self._room(len(r.prompt_ids) + slot.budget)
             row = cache.cache.row(len(self._active))
-            ids = torch.tensor([r.prompt_ids], device=served.device)
+            slot.cached = self._prefix.load(r.prompt_ids, row) if self._prefix else 0
+            ids = torch.tensor([r.prompt_ids[slot.cached :]], device=served.device)
             logits = served.model(ids, cache=row, last_only=True).logits[:, -1]
-            slot.length = len(r.prompt_ids)
+            slot.ids, slot.length = list(r.prompt_ids), len(r.prompt_ids)
+            if self._prefix is not None:  # at once: a request joining before this one ends reuses it too
+                self._prefix.store(slot.ids, row, slot.length)
             self._active.append(slot)
             if not self._take(slot, logits):
                 self._leave(slot)
@@ -341,6 +363,7 @@ class Engine:
             idx = torch.tensor([[s.token] for s in slots], device=self.served.device)
             logits = self.served.model(idx, cache=cache).logits[:, -1]
             for s in slots:
+                s.ids.append(s.token)
                 s.length += 1
             leaving = [s for i, s in enumerate(slots) if not self._take(s, logits[i : i + 1])]
         except Exception:
@@ -398,6 +421,8 @@ class Engine:
         self._active.pop()
 
     def _leave(self, slot: _Slot) -> None:
+        if self._prefix is not None and not self._closing:  # its prompt and answer: the next turn's prefix
+            self._prefix.store(slot.ids, self._cache.cache.row(self._active.index(slot)), slot.length)
         self._drop(slot)
         self._finish(slot)
 
@@ -417,12 +442,13 @@ class Engine:
             # The first token comes out of the prefill; the rate is that of the n - 1 decode steps after it.
             "decode_tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0,
         }
-        usage = {"prompt_tokens": len(r.prompt_ids), "completion_tokens": n,
-                 "total_tokens": len(r.prompt_ids) + n}  # fmt: skip
-        self._post(slot.job, Event("done", finish_reason=finish, usage=usage, timings=timings), (finish, n))
+        usage = {"prompt_tokens": len(r.prompt_ids), "completion_tokens": n, "total_tokens": len(r.prompt_ids) + n,
+                 "prompt_tokens_details": {"cached_tokens": slot.cached}}  # fmt: skip
+        done = (finish, n, len(r.prompt_ids), slot.cached)
+        self._post(slot.job, Event("done", finish_reason=finish, usage=usage, timings=timings), done)
         log.info(
-            "%d prompt + %d new tokens, %s, %.0f ms to the first token, %.1f tokens/s",
-            len(r.prompt_ids), n, finish, timings["prompt_ms"], timings["decode_tokens_per_s"],
+            "%d prompt (%d cached) + %d new tokens, %s, %.0f ms to the first token, %.1f tokens/s",
+            len(r.prompt_ids), slot.cached, n, finish, timings["prompt_ms"], timings["decode_tokens_per_s"],
         )  # fmt: skip
 
     def close(self) -> None:

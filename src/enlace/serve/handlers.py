@@ -42,6 +42,7 @@ from .schema import (
     HealthBrief,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Sampling,
     TextChoice,
     Timings,
@@ -123,7 +124,10 @@ def _usage(choices: list[Choice]) -> Usage:
     """The prompt once, every choice's new tokens."""
     prompt = choices[0].done.usage["prompt_tokens"]
     new = sum(c.done.usage["completion_tokens"] for c in choices)
-    return Usage(prompt_tokens=prompt, completion_tokens=new, total_tokens=prompt + new)
+    # The prompt counted once: as cached as its least cached copy (the first choice prefilled it).
+    cached = min(c.done.usage["prompt_tokens_details"]["cached_tokens"] for c in choices)
+    return Usage(prompt_tokens=prompt, completion_tokens=new, total_tokens=prompt + new,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))  # fmt: skip
 
 
 class _Chunks:

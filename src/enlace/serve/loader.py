@@ -108,9 +108,10 @@ def load_served(
     weights: str = "auto",
     device: str = "cpu",
     name: str | None = None,
+    head: str = "same",
 ) -> Served:
     from ..load import load_model
 
     kind, path, adapter_dir = resolve(model, adapter, default)
-    loaded = load_model(path, adapter_dir, device=device, weights=weights)
+    loaded = load_model(path, adapter_dir, device=device, weights=weights, head=head)
     return Served.from_loaded(loaded, name or loaded.name)

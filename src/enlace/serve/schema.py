@@ -184,10 +184,15 @@ class ErrorResponse(BaseModel):
     error: ErrorDetail
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prompt cache, not prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class Timings(BaseModel):
@@ -341,4 +346,9 @@ class Health(HealthBrief):
     failed: int
     refused: int
     tokens_generated: int
+    prompt_tokens: int  # of the requests that ended, prefilled or taken from the prompt cache
+    prompt_tokens_cached: int  # of those, taken from the prompt cache
+    prompt_cache_hits: int  # requests that took any
+    prompt_cache_tokens: int  # positions the prompt cache holds now
+    prompt_cache_limit: int  # the most it may hold (--prompt-cache; 0: off)
     consecutive_failures: int
