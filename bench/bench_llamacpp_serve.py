@@ -26,8 +26,9 @@ ratio against llama.cpp native, > 1 where the row is better (rates: row / native
 native / row). Goals (issue 39): enlace serve at least 1.0x on all four.
 
     python -m bench.bench_llamacpp_serve                         both models, this CPU's precisions, 3 rounds
-    python -m bench.bench_llamacpp_serve --models smollm2 --precisions fp32 --tokens 16 --prompt-tokens 100 --rounds 1
-    python -m bench.bench_llamacpp_serve --model DIR [--adapter DIR]   any folder ENLACE exports (merged first)
+    python -m bench.bench_llamacpp_serve --models smollm2 --precisions fp32 --tokens 16 \
+        --prompt-tokens 100 --rounds 1                              a smoke run: about a minute once built
+    python -m bench.bench_llamacpp_serve --model DIR [--adapter DIR]   any folder ENLACE exports
 
 The table goes to runs/bench/serve.md and serve.json (--out), and is printed.
 """
@@ -72,10 +73,10 @@ PRECISIONS = {
 }
 MODELS = ("smollm2", "gemma3")
 ENLACE, NATIVE, PORTABLE = "enlace serve", "llama.cpp native", "llama.cpp portable"
-PEER_CMD = {
+PEER_LABEL = {  # a table row's first cell: who, and what the user would run
     ENLACE: "enlace serve --slots 4",
-    NATIVE: "llama-server -np 4 (GGML_NATIVE)",
-    PORTABLE: "llama-cpp-python server (AVX2)",
+    NATIVE: "llama.cpp native: llama-server -np 4",
+    PORTABLE: "llama.cpp portable: llama-cpp-python's server",
 }
 FIGURES = ("decode_tokens_per_s", "ttft_s", "total_tokens_per_s", "peak_rss_mib")
 HIGHER_IS_BETTER = {
@@ -114,6 +115,14 @@ def cached_tool(script: str, what: str) -> str:
         said = proc.stderr.strip().splitlines()
         raise SystemExit(f"{what} is not available: {said[-1] if said else f'exit {proc.returncode}'}")
     return proc.stdout.strip().splitlines()[-1]
+
+
+def native_version(bins: Path) -> str:
+    """What `llama-server --version` said when the native build was checked (its enlace-ready.json)."""
+    try:
+        return json.loads((bins.parent / "enlace-ready.json").read_text())["llama_server_version"] or "?"
+    except (OSError, ValueError, KeyError):
+        return "?"
 
 
 class Server:
@@ -186,7 +195,8 @@ def start_native(bins: Path, gguf: Path, sizes: Sizes, env: dict) -> Server:
     per_slot = max(1024, sizes.prompt_tokens + sizes.tokens + 64)
     return Server(
         [str(bins / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb", str(THREADS),
-         "-np", str(sizes.streams), "-c", str(per_slot * sizes.streams), "--host", "127.0.0.1", "--port", str(port)],
+         "-np", str(sizes.streams), "-c", str(per_slot * sizes.streams),
+         "--host", "127.0.0.1", "--port", str(port)],
         port, {"ignore_eos": True, "cache_prompt": False, "stream_options": {"include_usage": True}}, env,
         ready="/health",  # /health answers 200 only once the model is loaded
     )  # fmt: skip
@@ -251,7 +261,8 @@ def measure(servers: dict[str, Server], long_prompt: str, sizes: Sizes, counter:
             samples[who]["total"].append(streams_rate(server, prompts, sizes.tokens))
     return {
         who: {"decode_tokens_per_s": statistics.median(s["decode"]), "ttft_s": statistics.median(s["ttft"]),
-              "total_tokens_per_s": statistics.median(s["total"]), "peak_rss_mib": servers[who].peak_rss_mib(),
+              "total_tokens_per_s": statistics.median(s["total"]),
+              "peak_rss_mib": servers[who].peak_rss_mib(),
               "decode_samples": s["decode"]}
         for who, s in samples.items()
     }  # fmt: skip
@@ -323,11 +334,12 @@ def gguf_of(model: Model, kind: str, bins: Path, tmp: Path) -> Path:
     """The model's GGUF of one llama.cpp file type: ENLACE's export (F32, BF16) or llama-quantize's."""
     if kind in model.ggufs:
         return model.ggufs[kind]
-    path = tmp / f"{len(model.ggufs)}-{kind}.gguf"
+    path = tmp / f"{model.folder.name}-{kind}.gguf"
     if kind in ("F32", "BF16"):
         export_folder_gguf(model.folder, path, kind.lower())
     else:
-        proc = subprocess.run([str(bins / "llama-quantize"), str(gguf_of(model, "F32", bins, tmp)), str(path), kind],
+        f32 = gguf_of(model, "F32", bins, tmp)
+        proc = subprocess.run([str(bins / "llama-quantize"), str(f32), str(path), kind],
                               capture_output=True, text=True)  # fmt: skip
         if proc.returncode:
             raise SystemExit(f"llama-quantize to {kind} failed: {(proc.stdout + proc.stderr)[-1000:]}")
@@ -368,11 +380,13 @@ def table_md(results: dict, meta: dict) -> str:
     lines = [
         "# Serving: enlace serve against llama.cpp built for this CPU",
         "",
-        f"CPU: {meta['cpu_model']}; ISA flags: {' '.join(meta['isa_flags']) or 'unknown'}; "
-        f"{meta['cpu_tag']}. {THREADS} threads per server.",
-        f"{meta['tokens']} new tokens per request, time to first token of a {meta['prompt_tokens']}-token prompt, "
-        f"{meta['streams']} concurrent streams, median of {meta['rounds']} rounds. In brackets: the ratio against "
-        "llama.cpp native (> 1: better than it). Written by `python -m bench.bench_llamacpp_serve` (`make bench`).",
+        f"CPU: {meta['cpu_model']}; ISA flags: {' '.join(meta['isa_flags'])}; PyTorch dispatches "
+        f"{meta['torch_capability']}; {THREADS} threads per server. llama.cpp native: "
+        f"{meta['llama_server_version']}, built with GGML_NATIVE=ON.",
+        f"{meta['tokens']} new tokens per request, time to first token of a {meta['prompt_tokens']}-token "
+        f"prompt, {meta['streams']} concurrent streams, median of {meta['rounds']} rounds. In brackets: the "
+        "ratio against llama.cpp native (> 1: better than it). Written by "
+        "`python -m bench.bench_llamacpp_serve` (`make bench`).",
     ]  # fmt: skip
     for label, by_precision in results.items():
         for precision, figures in by_precision.items():
@@ -384,7 +398,7 @@ def table_md(results: dict, meta: dict) -> str:
             for who, f in figures.items():
                 r = f["ratios"]
                 lines.append(
-                    f"| {who}: {PEER_CMD[who]} | {f['weights']} | {f['decode_tokens_per_s']:.1f} "
+                    f"| {PEER_LABEL[who]} | {f['weights']} | {f['decode_tokens_per_s']:.1f} "
                     f"({r['decode_tokens_per_s']:.2f}x) | {f['ttft_s']:.3f} s ({r['ttft_s']:.2f}x) | "
                     f"{f['total_tokens_per_s']:.1f} ({r['total_tokens_per_s']:.2f}x) | "
                     f"{f['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib']:.2f}x) |"
@@ -392,48 +406,67 @@ def table_md(results: dict, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+GOAL_WHAT = {
+    "decode_tokens_per_s": "decode tokens/s, served (batch 1)",
+    "ttft_s": "time to first token, served",
+    "total_tokens_per_s": "total tokens/s, 4 streams, served",
+    "peak_rss_mib": "peak resident memory, served",
+}
+
+
 def goal_rows(results: dict, cpu: str) -> list[dict]:
     """make bench's summary: enlace serve against llama.cpp native, the four goals of issue 39."""
-    what = {"decode_tokens_per_s": "decode tokens/s, served (batch 1)", "ttft_s": "time to first token, served",
-            "total_tokens_per_s": "total tokens/s, 4 streams, served", "peak_rss_mib": "peak resident memory, served"}  # fmt: skip
     rows = []
     for label, by_precision in results.items():
         for figures in by_precision.values():
             ours, peer = figures[ENLACE], figures[NATIVE]
             for k in FIGURES:
-                rows.append(goal_row(what[k], f"enlace serve {ours['weights']}", f"llama-server native {peer['weights']}",
-                                     ours["ratios"][k], ">=", 1.0, note=f"{label}; {cpu}"))  # fmt: skip
+                rows.append(
+                    goal_row(GOAL_WHAT[k], f"enlace serve {ours['weights']}",
+                             f"llama-server native {peer['weights']}", ours["ratios"][k], ">=", 1.0,
+                             note=f"{label}; {cpu}")
+                )  # fmt: skip
     return rows
+
+
+def run_meta(sizes: Sizes, precisions: list[str], bins: Path) -> dict:
+    """What the table was measured on and with: its header, and serve.json's top level."""
+    here = machine()
+    return {
+        "cpu_model": cpu_model(), "cpu_tag": cpu_tag(), "torch_capability": here["torch_capability"],
+        "isa_flags": [f if on else f"no-{f}" for f, on in here["isa"].items()], "threads": THREADS,
+        "tokens": sizes.tokens, "prompt_tokens": sizes.prompt_tokens, "streams": sizes.streams,
+        "rounds": sizes.rounds, "precisions": precisions, "llama_server": str(bins / "llama-server"),
+        "llama_server_version": native_version(bins),
+    }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv if argv is not None else sys.argv[1:])
     sizes = Sizes(args.tokens, args.prompt_tokens, Sizes.streams, args.rounds)
     precisions = args.precisions.split(",") if args.precisions else default_precisions()
-    ctx = {"bins": Path(cached_tool("llama_cpp_native.py", "llama.cpp's native build (make llama-cpp-native)")),
-           "portable": cached_tool("llama_cpp_build.py", "llama.cpp's portable build (make llama-cpp)")
-           if args.portable else None,
-           "env": {**os.environ, "OMP_NUM_THREADS": str(THREADS)}}  # fmt: skip
+    native = cached_tool("llama_cpp_native.py", "llama.cpp's native build (make llama-cpp-native)")
+    portable = (
+        cached_tool("llama_cpp_build.py", "llama.cpp's portable build (make llama-cpp)")
+        if args.portable
+        else None
+    )
+    ctx = {"bins": Path(native), "portable": portable, "env": {**os.environ, "OMP_NUM_THREADS": str(THREADS)}}
     results: dict[str, dict[str, dict]] = {}
     counter = [0]
     with tempfile.TemporaryDirectory(prefix="enlace-serve-gguf-") as tmp:
         ctx["tmp"] = Path(tmp)
         for model in models_of(args, Path(tmp)):
             results[model.label] = {p: run_table(model, p, ctx, sizes, counter) for p in precisions}
-    flags = machine()["isa"]
-    meta = {"cpu_model": cpu_model(), "cpu_tag": cpu_tag(), "isa_flags": [f if on else f"no-{f}" for f, on in flags.items()],
-            "threads": THREADS, "tokens": sizes.tokens, "prompt_tokens": sizes.prompt_tokens,
-            "streams": sizes.streams, "rounds": sizes.rounds, "precisions": precisions,
-            "llama_server": str(ctx["bins"] / "llama-server")}  # fmt: skip
+    meta = run_meta(sizes, precisions, ctx["bins"])
     table = table_md(results, meta)
     rows = goal_rows(results, meta["cpu_tag"])
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "serve.md", table)
-    atomic_write_text(
-        args.out / "serve.json", json.dumps({**meta, "results": results, "rows": rows}, indent=2) + "\n"
-    )
+    payload = {**meta, "results": results, "rows": rows}
+    atomic_write_text(args.out / "serve.json", json.dumps(payload, indent=2) + "\n")
     if args.out.resolve() == OUT.resolve():  # make bench's summary; a run elsewhere (a test) leaves it alone
-        write_result("llamacpp_serve", {**meta, "results": results, "rows": rows})
+        write_result("llamacpp_serve", payload)
     print(table)
     for r in rows:
         print(format_row(r))
