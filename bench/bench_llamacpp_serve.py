@@ -118,11 +118,15 @@ def cached_tool(script: str, what: str) -> str:
 
 
 def native_version(bins: Path) -> str:
-    """What `llama-server --version` said when the native build was checked (its enlace-ready.json)."""
+    """Which llama.cpp the native build is, from its enlace-ready.json (scripts/llama_cpp_native.py)."""
     try:
-        return json.loads((bins.parent / "enlace-ready.json").read_text())["llama_server_version"] or "?"
-    except (OSError, ValueError, KeyError):
-        return "?"
+        stamp = json.loads((bins.parent / "enlace-ready.json").read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    which = (
+        f"llama.cpp {stamp['llama_cpp_commit'][:12]}," if stamp.get("llama_cpp_commit") else "the llama.cpp"
+    )
+    return f"{which} vendored by llama-cpp-python {stamp.get('version', '?')}"
 
 
 class Server:
@@ -382,7 +386,7 @@ def table_md(results: dict, meta: dict) -> str:
         "",
         f"CPU: {meta['cpu_model']}; ISA flags: {' '.join(meta['isa_flags'])}; PyTorch dispatches "
         f"{meta['torch_capability']}; {THREADS} threads per server. llama.cpp native: "
-        f"{meta['llama_server_version']}, built with GGML_NATIVE=ON.",
+        f"{meta['llama_cpp']}, built with GGML_NATIVE=ON.",
         f"{meta['tokens']} new tokens per request, time to first token of a {meta['prompt_tokens']}-token "
         f"prompt, {meta['streams']} concurrent streams, median of {meta['rounds']} rounds. In brackets: the "
         "ratio against llama.cpp native (> 1: better than it). Written by "
@@ -437,7 +441,7 @@ def run_meta(sizes: Sizes, precisions: list[str], bins: Path) -> dict:
         "isa_flags": [f if on else f"no-{f}" for f, on in here["isa"].items()], "threads": THREADS,
         "tokens": sizes.tokens, "prompt_tokens": sizes.prompt_tokens, "streams": sizes.streams,
         "rounds": sizes.rounds, "precisions": precisions, "llama_server": str(bins / "llama-server"),
-        "llama_server_version": native_version(bins),
+        "llama_cpp": native_version(bins),
     }  # fmt: skip
 
 

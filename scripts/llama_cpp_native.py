@@ -130,18 +130,30 @@ def build_tools(work: Path) -> tuple[str, str]:
 
 
 def unpack_vendored(sdist: Path, dest: Path) -> Path:
-    """vendor/llama.cpp out of the source package (nothing else of it is needed)."""
-    prefix = f"{SDIST.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+    """vendor/llama.cpp out of the source package (nothing else of it is needed), and the llama.cpp commit it
+    is (the submodule's HEAD, which the package also carries) into dest/COMMIT."""
+    root = SDIST.removesuffix(".tar.gz")
+    prefix, head = f"{root}/vendor/llama.cpp/", f"{root}/.git/modules/vendor/llama.cpp/HEAD"
     with tarfile.open(sdist) as tar:
         members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
         if not members:
             raise BuildError(
                 f"{sdist} has no {prefix}: the pinned source package no longer vendors llama.cpp"
             )
+        commit = tar.extractfile(head).read().decode().strip() if head in tar.getnames() else ""
         for m in members:
             m.name = m.name[len(prefix) :]
         tar.extractall(dest, members=[m for m in members if m.name], filter="data")
+    (dest / "COMMIT").write_text(commit + "\n")
     return dest
+
+
+def vendored_commit(src: Path) -> str:
+    """The llama.cpp commit unpack_vendored found ("" where the package did not say)."""
+    try:
+        return (src / "COMMIT").read_text().strip()
+    except OSError:
+        return ""
 
 
 def compile_targets(work: Path) -> None:
@@ -156,8 +168,10 @@ def compile_targets(work: Path) -> None:
         f"log: {logfile})")  # fmt: skip
     t0 = time.monotonic()
     build = work / "build"  # kept when a step fails, so the next call resumes where ninja stopped
+    # The source package has no git checkout to read the commit from; it only names the version string.
+    commit = [f"-DLLAMA_BUILD_COMMIT={vendored_commit(src)[:12]}"] if vendored_commit(src) else []
     run([cmake, "-S", str(src), "-B", str(build), "-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}",
-         *CMAKE_ARGS.split()], logfile)  # fmt: skip
+         *CMAKE_ARGS.split(), *commit], logfile)  # fmt: skip
     jobs = str(len(os.sched_getaffinity(0)))
     run(["nice", "-n", "10", cmake, "--build", str(build), "-j", jobs, "--target", *TARGETS], logfile)
     out = Path(tempfile.mkdtemp(dir=work, prefix=".bin-"))
@@ -193,7 +207,10 @@ def ensure() -> Path:
         if not is_ready():
             compile_targets(work)
             version = check_runs(work)
-            write_json(work / READY, {**wanted(), "llama_server_version": version})
+            commit = vendored_commit(work / "src")
+            write_json(
+                work / READY, {**wanted(), "llama_server_version": version, "llama_cpp_commit": commit}
+            )
             # the binaries are static: the sources and objects (about 1 GB) are not needed any more
             shutil.rmtree(work / "build", ignore_errors=True)
             shutil.rmtree(work / "src", ignore_errors=True)
