@@ -388,7 +388,7 @@ def table_md(results: dict, meta: dict) -> str:
         f"{meta['torch_capability']}; {THREADS} threads per server. llama.cpp native: "
         f"{meta['llama_cpp']}, built with GGML_NATIVE=ON.",
         f"{meta['tokens']} new tokens per request, time to first token of a {meta['prompt_tokens']}-token "
-        f"prompt, {meta['streams']} concurrent streams, median of {meta['rounds']} rounds. In brackets: the "
+        f"prompt, {meta['streams']} concurrent streams, median of {meta['rounds']} round{'s' * (meta['rounds'] != 1)}. In brackets: the "
         "ratio against llama.cpp native (> 1: better than it). Written by "
         "`python -m bench.bench_llamacpp_serve` (`make bench`).",
     ]  # fmt: skip
