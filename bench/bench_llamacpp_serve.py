@@ -418,17 +418,17 @@ GOAL_WHAT = {
 }
 
 
-def goal_rows(results: dict, cpu: str) -> list[dict]:
-    """make bench's summary: enlace serve against llama.cpp native, the four goals of issue 39."""
+def goal_rows(results: dict) -> list[dict]:
+    """make bench's summary: enlace serve against llama.cpp native, the four goals of issue 39 (goal_row
+    records the CPU with each)."""
     rows = []
     for label, by_precision in results.items():
         for figures in by_precision.values():
             ours, peer = figures[ENLACE], figures[NATIVE]
             for k in FIGURES:
                 rows.append(
-                    goal_row(GOAL_WHAT[k], f"enlace serve {ours['weights']}",
-                             f"llama-server native {peer['weights']}", ours["ratios"][k], ">=", 1.0,
-                             note=f"{label}; {cpu}")
+                    goal_row(f"{GOAL_WHAT[k]}, {label}", f"enlace serve {ours['weights']}",
+                             f"llama-server native {peer['weights']}", ours["ratios"][k], ">=", 1.0)
                 )  # fmt: skip
     return rows
 
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             results[model.label] = {p: run_table(model, p, ctx, sizes, counter) for p in precisions}
     meta = run_meta(sizes, precisions, ctx["bins"])
     table = table_md(results, meta)
-    rows = goal_rows(results, meta["cpu_tag"])
+    rows = goal_rows(results)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(args.out / "serve.md", table)
     payload = {**meta, "results": results, "rows": rows}
