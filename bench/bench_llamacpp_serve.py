@@ -112,7 +112,9 @@ def cached_tool(script: str, what: str) -> str:
     the benchmark with the script's own message, never falls back to another build."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script)], capture_output=True, text=True)
     if proc.returncode:
-        said = proc.stderr.strip().splitlines()
+        # The scripts' own error line (the last that starts with their "llama-cpp" prefix) names the step
+        # and the log; the build output's tail follows it.
+        said = [line for line in proc.stderr.splitlines() if line.startswith("llama-cpp")]
         raise SystemExit(f"{what} is not available: {said[-1] if said else f'exit {proc.returncode}'}")
     return proc.stdout.strip().splitlines()[-1]
 
