@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test test-fast lint bench bench-es assistant finetune serve llama-cpp gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
+.PHONY: run test test-fast test-native lint bench bench-es assistant finetune serve llama-cpp llama-cpp-native gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -67,6 +67,12 @@ test-fast: $(STAMP) system-deps
 llama-cpp: $(STAMP)
 	$(BIN)/python scripts/llama_cpp_build.py
 
+# llama.cpp built for this CPU (GGML_NATIVE=ON) from the same pinned source: llama-server, llama-bench and
+# llama-quantize, the peer of `make bench`'s serving table, into a folder of ~/.cache/enlace/llama-cpp keyed
+# by the pin, the flags and the CPU's ISA flags, beside the portable build (never touching it).
+llama-cpp-native: $(STAMP)
+	$(BIN)/python scripts/llama_cpp_native.py
+
 # The reference pages are generated from the config models and the CLI parser, then the site is built;
 # --strict turns a broken link or anchor, or a page missing from mkdocs.yml's nav, into an error.
 .PHONY: docs
@@ -79,7 +85,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests bench tools scripts
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
 
-bench: $(STAMP) llama-cpp
+bench: $(STAMP) llama-cpp llama-cpp-native
 	$(BIN)/python -m bench
 
 # The assistant over an OpenAI-compatible API, chat page at http://127.0.0.1:8080/: Gemma 3 in context once

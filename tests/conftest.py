@@ -26,7 +26,7 @@ CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own browser download is
 # Tiers: a test that requests one of these set-up fixtures (directly, through another fixture or with
 # usefixtures) carries its marker, so `-m "not llamacpp"` and the like leave out the test and its set-up
 # together, and a new test cannot forget the marker. pyproject.toml registers the markers.
-SETUP_MARKERS = {"llama_cpp": "llamacpp", "chromium": "browser"}
+SETUP_MARKERS = {"llama_cpp": "llamacpp", "llama_cpp_native": "llamacpp", "chromium": "browser"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -42,16 +42,29 @@ def llama_cpp() -> Path:
     """The python of the pinned llama.cpp venv (scripts/llama_cpp_build.py), built first if this machine has
     none: minutes once per machine, a fraction of a second after. A failed build fails every test that needs
     it, with the build's own message; nothing is skipped."""
+    return built_by("llama_cpp_build.py", "llama-cpp")
+
+
+def built_by(script: str, make_target: str) -> Path:
+    """The last line a llama.cpp build script prints (what it built), building it first if this machine has
+    none; a build that fails or runs past the timeout fails the test with the script's own message."""
     try:
         proc = subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "llama_cpp_build.py")],
+            [sys.executable, str(ROOT / "scripts" / script)],
             capture_output=True, text=True, timeout=LLAMA_CPP_BUILD_TIMEOUT,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
-        pytest.fail(f"llama.cpp build took over {LLAMA_CPP_BUILD_TIMEOUT} s; run `make llama-cpp` to see why")
+        pytest.fail(f"{script} took over {LLAMA_CPP_BUILD_TIMEOUT} s; run `make {make_target}` to see why")
     if proc.returncode:
-        pytest.fail(f"llama.cpp could not be built ({proc.stderr.strip()[-2000:]}); see `make llama-cpp`")
+        pytest.fail(f"{script} could not build ({proc.stderr.strip()[-2000:]}); see `make {make_target}`")
     return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_native() -> Path:
+    """The folder of llama.cpp's own binaries built for this CPU (llama-server, llama-bench, llama-quantize;
+    scripts/llama_cpp_native.py), built first if this machine has none, as the `llama_cpp` fixture does."""
+    return built_by("llama_cpp_native.py", "llama-cpp-native")
 
 
 @pytest.fixture(scope="session")

@@ -397,7 +397,9 @@ def test_adapter_follows_base_content_not_its_path(in_project, tmp_path):
 
 def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
     """A GPT-2-style folder (as SmolLM2's) merged with an adapter: equal to PEFT's merge, and its GGUF
-    (llama architecture, q/k permuted, "gpt2" vocabulary) reads back with the same tensors and tokenizer."""
+    (llama architecture, q/k permuted, "gpt2" vocabulary, llama.cpp's "gpt-2" pre-tokenizer: it refuses the
+    file for "gpt2") reads back with the same tensors and tokenizer."""
+    from gguf import GGUFReader
     from helpers import SENTENCES, make_folder
     from peft import PeftModel
     from tokenizers import Tokenizer
@@ -428,6 +430,8 @@ def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
     hf, _ = hf_load(out, caplog)
     with torch.no_grad():
         assert (hf(ids).logits - ref(ids).logits).abs().max() < 1e-4
+    fields = GGUFReader(tmp_path / "merged-f16.gguf").fields
+    assert fields["tokenizer.ggml.pre"].contents() == "gpt-2"
     back = import_gguf(tmp_path / "merged-f16.gguf", tmp_path / "back")
     assert (
         Tokenizer.from_file(str(back / "tokenizer.json")).encode(SENTENCES[1]).ids

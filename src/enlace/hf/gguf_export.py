@@ -29,6 +29,8 @@ from .arch.common import Arch
 FILE_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}  # llama.cpp's LLAMA_FTYPE values
 Q8_BLOCK = 32  # Q8_0 quantizes rows in blocks of 32 weights (one fp16 scale each)
 PRE_TOKENIZER_DIGITS = "smollm"  # llama.cpp's name for GPT-2 regex after splitting digits one by one
+# llama.cpp's name for the plain GPT-2 regex; it refuses the file ("unknown pre-tokenizer type") for "gpt2"
+PRE_TOKENIZER_GPT2 = "gpt-2"
 
 
 def spm_vocab(model_file: Path) -> dict[str, Any]:
@@ -85,7 +87,7 @@ def gpt2_vocab(folder: Path) -> dict[str, Any]:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     digits = "Digits" in json.dumps(data.get("pre_tokenizer"))
     return {"model": "gpt2", "tokens": tokens, "types": types, "merges": merges,
-            "pre": PRE_TOKENIZER_DIGITS if digits else "gpt2"}  # fmt: skip
+            "pre": PRE_TOKENIZER_DIGITS if digits else PRE_TOKENIZER_GPT2}  # fmt: skip
 
 
 def _add_model_keys(w: Any, cfg: Any, ftype: str, name: str) -> None:

