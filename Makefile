@@ -51,10 +51,15 @@ finetune: $(STAMP)
 # Tiers are pytest markers (pyproject.toml). The heavy ones set themselves up only when one of their tests is
 # selected: the llama.cpp build (`llamacpp`) and the chromium install (`browser`) are session fixtures in
 # tests/conftest.py that fail, never skip, when the set-up cannot be done. --durations lists the slowest tests.
-FAST := not slow and not llamacpp and not browser and not docker and not dvc
+FAST := not slow and not llamacpp and not native and not browser and not docker and not dvc
 test: $(STAMP) system-deps
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -m "not native"
+
+# The one tier `make test` leaves out: the serving table against llama-server built for this CPU (make bench's
+# peer). Its cold build (scripts/llama_cpp_native.py) would add about ten minutes to CI's budget.
+test-native: $(STAMP)
+	$(BIN)/python -m pytest -q -m native
 
 test-fast: $(STAMP) system-deps
 	PYTHONPATH=src $(BIN)/lint-imports --no-cache

@@ -26,7 +26,7 @@ CHROMIUM = "/usr/bin/chromium"  # Debian's; Playwright's own browser download is
 # Tiers: a test that requests one of these set-up fixtures (directly, through another fixture or with
 # usefixtures) carries its marker, so `-m "not llamacpp"` and the like leave out the test and its set-up
 # together, and a new test cannot forget the marker. pyproject.toml registers the markers.
-SETUP_MARKERS = {"llama_cpp": "llamacpp", "llama_cpp_native": "llamacpp", "chromium": "browser"}
+SETUP_MARKERS = {"llama_cpp": "llamacpp", "llama_cpp_native": "native", "chromium": "browser"}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
