@@ -162,7 +162,7 @@ def test_preamble_renders_the_prompt_and_knows_its_stop(tmp_path):
     text = spec.render(msgs)
     assert text.startswith(spec.system + "\n\n")
     assert text.endswith("\n\nUsuario: ¿Qué hora es?\nENLACE:")  # the model writes the answer's space
-    assert text.count("Usuario: ") == len(spec.examples) + 1 and 3 <= len(spec.examples) <= 4
+    assert text.count("Usuario: ") == len(spec.examples) + 1 and 3 <= len(spec.examples) <= 6
     ids = spec.encode(tok, msgs)
     assert ids[0] == tok.token_id("<bos>") == 2 and ids.count(2) == 1
     assert tok.decode(ids[1:]) == text
@@ -175,6 +175,18 @@ def test_preamble_renders_the_prompt_and_knows_its_stop(tmp_path):
     assert spec.render([{"role": "system", "content": "Sé breve."}, *msgs]).startswith(
         "Sé breve.\n\nUsuario:"
     )
+
+
+def test_no_preamble_example_is_a_judge_question():
+    """Every spec's example turns are new to the judge: no example question is a judge question, nor shares
+    more than 60% of its words with one (an example answer would then be a worked answer to a test item)."""
+    from enlace.finetune.distill import near_copy
+
+    questions = [q.question for q in read_questions(QUESTIONS, None)]
+    for path in sorted(SPEC.parent.glob("*.yaml")):
+        for e in load_spec(path).examples:
+            near = [q for q in questions if near_copy(e.user, q) or _words(e.user) == _words(q)]
+            assert near == [], (path.name, e.user, near)
 
 
 def test_a_bad_spec_is_one_line_naming_file_and_field(tmp_path):

@@ -1,4 +1,4 @@
-"""Commands: finetune, finetune-eval, judge, chat."""
+"""Commands: finetune, finetune-eval, judge, distill, chat."""
 
 from __future__ import annotations
 
@@ -159,6 +159,50 @@ def _judge(args: argparse.Namespace) -> int:
     return 0
 
 
+def _distill(args: argparse.Namespace) -> int:
+    from ..io import sha256_file
+    from ..load.preamble import load_spec
+    from .assistant import decoding, load_assistant, reply
+    from .chat import CHAT_SAMPLING
+    from .distill import COPY_SHARE, DATA_FILE, LENGTH, distill, read_distill_questions, write_distilled
+
+    for flag, value in (
+        ("--samples", args.samples),
+        ("--keep", args.keep),
+        ("--max-new-tokens", args.max_new_tokens),
+    ):
+        if value < 1:
+            raise EnlaceError(f"enlace distill: {flag} {value}: must be at least 1")
+    spec_path, questions_path = Path(args.assistant), Path(args.questions)
+    spec = load_spec(spec_path)  # a bad spec or question file fails before the model loads
+    questions = read_distill_questions(questions_path)
+    questions = questions[: args.limit] if args.limit else questions
+    a = load_assistant(spec_path)
+    log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
+
+    def answer(question: str, seed: int):  # the serving default sampler, one fixed seed a sample
+        return reply(a, question, decoding(f"sample-{seed}", CHAT_SAMPLING), args.max_new_tokens)
+
+    examples = [e.assistant for e in spec.examples]
+    records, rows = distill(answer, questions, args.samples, examples, args.keep, log)
+    provenance = {
+        "licence": spec.licence or "Gemma Terms of Use",
+        "generated_by": a.what,
+        "assistant": str(spec_path), "assistant_sha256": sha256_file(spec_path),
+        "questions": str(questions_path), "questions_sha256": sha256_file(questions_path),
+        "questions_used": len(questions), "samples": args.samples, "seeds": list(range(args.samples)),
+        "sampler": CHAT_SAMPLING, "max_new_tokens": args.max_new_tokens, "kept_per_question": args.keep,
+        "filter": {"length_words": LENGTH, "copy_share": COPY_SHARE,
+                   "facts": "kept when more than half of the samples give the same short answer"},
+    }  # fmt: skip
+    c = write_distilled(Path(args.out), records, rows, provenance)
+    for kind in ("fact", "advice", "writing"):
+        k = c[kind]
+        print(f"{kind}: {k['with_answer']} of {k['questions']} questions kept an answer ({k['kept']} kept)")
+    print(f"{len(records)} answers written to {Path(args.out) / DATA_FILE} ({provenance['licence']})")
+    return 0
+
+
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
@@ -225,6 +269,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     p.set_defaults(handler=_finetune_eval)
 
     _register_judge(sub)
+    _register_distill(sub)
     _register_chat(sub)
 
 
@@ -254,6 +299,34 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="a line per answer")
     p.add_argument("--rejudge", default=None, metavar="JSON", help="judge a stored result's answers again")
     p.set_defaults(handler=_judge)
+
+
+def _register_distill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "distill",
+        help="answer new questions with the in-context assistant, several samples each; keep what passes",
+        description="Answer every distillation question with a preamble assistant, SAMPLES times (the serving "
+        "default sampler, seeds 0 to SAMPLES-1), and keep an answer only when it is Spanish, does not loop, "
+        "ended by itself, is within its kind's length bounds and copies no example answer; a fact question's "
+        "answers only when most samples give the same short answer. Writes OUT/distilled.jsonl (the "
+        "instruction set's format), OUT/report.json (every sample with its checks) and OUT/manifest.json "
+        "(provenance and licence).",
+    )
+    p.add_argument(
+        "--assistant",
+        default="configs/assistant/gemma3-preamble.yaml",
+        help="a preamble spec (the default's)",
+    )
+    p.add_argument("--questions", default="assets/distill/preguntas-destilar.jsonl", help="question file")
+    p.add_argument("--samples", type=int, default=3, help="answers drawn per question (default 3)")
+    p.add_argument(
+        "--keep", type=int, default=1, help="distinct answers kept per question at most (default 1)"
+    )
+    p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=128)
+    p.add_argument("--limit", type=int, default=0, help="the first N questions only (0: all)")
+    p.add_argument("--out", default="runs/distill", help="output folder (default runs/distill)")
+    p.add_argument("--verbose", action="store_true", help="a line per question")
+    p.set_defaults(handler=_distill)
 
 
 def _register_chat(sub: argparse._SubParsersAction) -> None:
