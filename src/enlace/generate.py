@@ -7,18 +7,23 @@ bytes: bf16 halves them, int8 weight-only quarters them. `decode_weights` conver
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .errors import EnlaceError, HardwareError
-from .model import KVCache, Llama
+from .model import KVCache, Llama, fuse_projections
 
 # auto: bf16 on a CPU with native bf16 (avx512_bf16 or AMX), else fp32 as loaded.
 DECODE_WEIGHTS = ("auto", "fp32", "bf16", "int8")
 # The output head's weights: as the rest of the model, or int8 whatever the rest is (decode_weights).
 HEAD_WEIGHTS = ("same", "int8")
+# Which kernels decode: "auto" takes ENLACE's (enlace.kernels) for fp32 and int8 weights on a CPU where they
+# build; "torch" keeps torch's own everywhere (the reference they are measured against).
+KERNEL_CHOICES = ("auto", "torch")
 
 
 def resolve_decode_weights(
@@ -64,24 +69,50 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-class Int8Linear(nn.Module):
-    """Weight-only int8 (symmetric, one scale per output row); activations in the scales' dtype (bf16, or
-    fp32 for an int8 head on an fp32 model), as is the output.
+def decode_rows(x: torch.Tensor, in_features: int) -> bool:
+    """Whether x is a decode step's few activation rows, which ENLACE's kernels take (kernels.MAX_ROWS)."""
+    return x.numel() // in_features <= kernels.MAX_ROWS
 
-    torch's CPU kernel for this (_weight_int8pack_mm) reads a quarter of fp32's bytes and is the fastest
-    decode path here; quantisation error is reported by bench_generate next to its speed, and the head's
-    in bits per byte by bench/bench_head_int8.py.
-    """
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16):
+class KernelLinear(nn.Module):
+    """A frozen fp32 linear whose decode steps run ENLACE's kernel (kernels/decode_linear.cpp), which
+    streams the weight at close to the memory's rate where torch's fp32 F.linear reaches about half of it
+    on one token; a prefill's many rows stay with torch's GEMM. The weight is the linear's own tensor (a tied
+    head still shares the embedding's)."""
+
+    def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if decode_rows(x, self.in_features):
+            return torch.ops.enlace.linear_f32(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 (symmetric, one scale per output row); activations in the scales' dtype (bf16, or
+    fp32 where the CPU has no native bf16 or for an int8 head on an fp32 model), as is the output.
+
+    With bf16 activations torch's CPU kernel (_weight_int8pack_mm) does the product. With fp32 ones a decode
+    step runs ENLACE's kernel where it is built (`kernel`): torch's reaches about 2 GB/s of int8 weights on an
+    AVX2 CPU. Quantisation error is reported by bench_generate next to its speed, and the head's in bits per
+    byte by bench/bench_head_int8.py.
+    """
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16, kernel: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = kernel and dtype == torch.float32
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
         self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scales", scale.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and decode_rows(x, self.in_features):
+            return torch.ops.enlace.linear_i8(x, self.weight, self.scales)
         x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
@@ -113,46 +144,65 @@ def decode_weights(
     device: str | torch.device = "cpu",
     flags: frozenset[str] | None = None,
     head: str = "same",
+    kernel_choice: str = "auto",
 ) -> Llama:
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
-    fp32 leaves it as it is. bf16 and int8 turn norms, embedding, activations and KV cache into bf16 and
-    every linear layer into a packed bf16 or an int8 module: the model can no longer be trained. A tied
-    model keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a
-    second copy, as oneDNN's blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8
-    is refused.
+    fp32 keeps the weights; on a CPU where ENLACE's decode kernels build (kernel_choice "auto"; "torch"
+    keeps torch's own) its linear layers decode through them. bf16 turns norms, embedding, activations and
+    KV cache into bf16 and every linear layer into a packed bf16 module; int8 does the same with int8
+    linears, except on a CPU without native bf16 where the kernels build: there the rest stays fp32 and the
+    int8 linears decode through ENLACE's kernel. Either way the model can no longer be trained. A tied model
+    keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a second
+    copy, as oneDNN's blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8 is refused.
     head "int8": the output head in int8 whatever `weights` is (quantised from the fp32 weights, its
     activations in the model's dtype), and a tied embedding reads its rows: one int8 copy where Gemma 3
     270M's 262k x 640 head and embedding were 63% of its fp32 bytes.
     flags: the CPU's instruction-set flags, as resolve_decode_weights takes them.
     """
+    from .runtime import cpu_bf16_native
+
     weights = resolve_decode_weights(weights, device, flags)
     cpu = torch.device(device).type == "cpu"
     if head not in HEAD_WEIGHTS:
         raise ValueError(f"head weights {head!r}: choose from {', '.join(HEAD_WEIGHTS)}")
+    if kernel_choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels {kernel_choice!r}: choose from {', '.join(KERNEL_CHOICES)}")
     if "int8" in (weights, head) and not cpu:
         raise ValueError("int8 decode weights use torch's CPU kernel; use bf16 on a GPU")
+    own = cpu and kernel_choice == "auto" and weights != "bf16" and kernels.available()
+    fuse_projections(model.eval())
     if head == "int8" and weights != "int8":
-        int8_head(model.eval())
+        int8_head(model.eval(), kernel=own)
     if weights == "fp32":
-        return model
-    model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's
+        return _replace_linears(model.eval(), KernelLinear) if own else model
+    fp32_int8 = weights == "int8" and own and not cpu_bf16_native(flags)
+    if not fp32_int8:
+        model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's
     if not cpu or (weights == "bf16" and not torch.backends.mkldnn.is_available()):
         return model
-    make = PackedLinear if weights == "bf16" else Int8Linear
-    for module in list(model.modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, child_name, make(child))
-    if weights == "int8" and model.cfg.tie_embeddings:
+    if weights == "bf16":
+        return _replace_linears(model, PackedLinear)
+    act = torch.float32 if fp32_int8 else torch.bfloat16
+    _replace_linears(model, lambda linear: Int8Linear(linear, act, kernel=fp32_int8))
+    if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model
 
 
-def int8_head(model: Llama) -> Llama:
+def _replace_linears(model: Llama, make: Callable[[nn.Linear], nn.Module]) -> Llama:
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, child_name, make(child))
+    return model
+
+
+def int8_head(model: Llama, kernel: bool = False) -> Llama:
     """The output head in int8 with one fp32 scale per row, in place; a tied embedding then reads the same
-    int8 rows (dequantised), so the fp32 matrix is freed and one int8 copy serves both."""
-    model.lm_head = Int8Linear(model.lm_head, dtype=torch.float32)
+    int8 rows (dequantised), so the fp32 matrix is freed and one int8 copy serves both. kernel: decode steps
+    through ENLACE's kernel (Int8Linear)."""
+    model.lm_head = Int8Linear(model.lm_head, dtype=torch.float32, kernel=kernel)
     if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model

@@ -158,6 +158,18 @@ def matmul_attention(
     return (probs.view(B, kv_heads, group * T, T) @ v).view(B, H, T, D)
 
 
+def one_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query per row, q [B, H, 1, D], over all of k, v [B, KV, L, D]; each KV
+    head serves its group of H / KV query heads, viewed as rows of one matrix (no repeat in memory)."""
+    B, H, _, D = q.shape
+    kv_heads = k.shape[1]
+    q = q.reshape(B, kv_heads, H // kv_heads, D) * (D**-0.5 if scale is None else scale)
+    probs = torch.softmax(q @ k.transpose(-1, -2), dim=-1)
+    return (probs @ v).view(B, H, 1, D)
+
+
 def visible(start: int, T: int, window: int | None, device: torch.device) -> torch.Tensor:
     """Boolean [T, start + T]: which positions the queries at start..start+T-1 attend to (causal, and
     within the sliding window if there is one)."""
@@ -183,6 +195,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.norm_unit_offset) if cfg.qk_norm else None
         self.dropout = cfg.dropout
+        # Decoding only: q, k and v in one product (set by fuse_projections, which removes the three).
+        self.qkv: nn.Module | None = None
 
     def forward(
         self,
@@ -193,9 +207,14 @@ class Attention(nn.Module):
         layer: int = 0,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.qkv is not None:
+            qd, kd = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+            q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, self.n_head, self.head_dim)
+        k = k.view(B, T, self.n_kv_head, self.head_dim)
+        v = v.view(B, T, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
@@ -218,6 +237,13 @@ class Attention(nn.Module):
                 causal = False
                 if T > 1:
                     mask = visible(start, T, None, x.device)
+        if T == 1 and cache is not None and x.device.type == "cpu":
+            # One new query: it sees every cached position (a local layer's last `window` only). Two small
+            # matmuls around a softmax cost a fraction of the flash kernel's set-up for one row.
+            if self.window is not None and start + 1 > self.window:
+                k, v = k[:, :, -self.window :], v[:, :, -self.window :]
+            y = one_query_attention(q, k, v, self.scale)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
         if self.window is not None and start + T > self.window:
             # A local layer: positions older than the window are hidden too. (The cache keeps them: the
             # mask is cheap next to a rolling buffer, and both kinds of layer share one cache layout.)
@@ -263,9 +289,45 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
         self.act = F.silu if cfg.mlp_act == "silu" else gelu_tanh
+        # Decoding only: gate and up in one product (set by fuse_projections, which removes the two).
+        self.gate_up: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@torch.no_grad()
+def fuse_projections(model: nn.Module) -> None:
+    """For decoding: q, k and v (and gate and up) as one linear each, their weights stacked by rows, in place.
+
+    Each output is still its own row's dot product, so the values are those of the separate products; a
+    decode step makes two calls where it made five, and each reads one larger matrix. The model can no
+    longer be trained, loaded from or saved to a state dict.
+    """
+
+    def stacked(*linears: nn.Linear) -> nn.Linear:
+        w = torch.cat([lin.weight for lin in linears])
+        fused = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        fused.weight = nn.Parameter(w, requires_grad=False)
+        return fused
+
+    def plain(*linears: nn.Module) -> bool:  # an unmerged LoRA adapter keeps its own products
+        return all(type(lin) is nn.Linear for lin in linears)
+
+    for module in model.modules():
+        if (
+            isinstance(module, Attention)
+            and module.qkv is None
+            and plain(module.q_proj, module.k_proj, module.v_proj)
+        ):
+            module.qkv = stacked(module.q_proj, module.k_proj, module.v_proj)
+            del module.q_proj, module.k_proj, module.v_proj
+        elif isinstance(module, MLP) and module.gate_up is None and plain(module.gate_proj, module.up_proj):
+            module.gate_up = stacked(module.gate_proj, module.up_proj)
+            del module.gate_proj, module.up_proj
 
 
 class Block(nn.Module):

@@ -1,0 +1,129 @@
+"""ENLACE's own CPU kernels for decoding: `torch.ops.enlace.linear_f32` and `linear_i8` (decode_linear.cpp).
+
+Decoding one token multiplies a few activation rows by every weight once, so its speed is the rate at which
+those products stream the weights. decode_linear.cpp says why torch's own kernels fall short there and what
+these do instead. They are compiled here, once per machine, with the C++ compiler torch.compile would use
+(-march=native: the kernels use AVX2 and FMA where the CPU has them) against the installed torch's headers:
+
+    ${XDG_CACHE_HOME:-~/.cache}/enlace/kernels/<key>/
+      decode_linear.so   the library torch loads
+      manifest.json      its sha256, written last: a library that does not match it is rebuilt, never loaded
+
+key: a hash of the source, the compiler's version, the flags, torch's version and the CPU's ISA flags, so a
+changed source, compiler or torch is never served by an old build, and a cache shared between machines
+(a mounted home) gives each CPU kind its own.
+
+`available()` builds on first use (a few seconds) and says whether the ops can be called; where there is no
+compiler or the build fails, it says why once (`why_unavailable`) and decoding keeps torch's kernels.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..io import replace_dir
+from ..manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
+from ..runtime import cpp_compiler, cpu_flags
+
+SOURCE = Path(__file__).with_name("decode_linear.cpp")
+LIBRARY = "decode_linear.so"
+MAX_ROWS = 8  # activation rows one call takes (kMaxRows in the source): more is a prefill, left to torch
+# -fopenmp: at::parallel_for is inline in the headers and threads only where OpenMP is on (torch's own libgomp
+# serves it: the library links the soname torch has already loaded).
+FLAGS = ("-O3", "-march=native", "-std=c++20", "-fopenmp", "-fPIC", "-shared", "-w")
+ENV_DISABLE = "ENLACE_KERNELS"  # "0": never build or load them (decoding keeps torch's kernels)
+
+_state: dict[str, str | bool] = {}
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "enlace" / "kernels"
+
+
+def _compiler_version(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def build_key(cxx: str) -> str:
+    parts = [
+        SOURCE.read_text(encoding="utf-8"),
+        _compiler_version(cxx),
+        " ".join(FLAGS),
+        torch.__version__,
+        " ".join(sorted(cpu_flags())),
+    ]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _command(cxx: str, out: Path) -> list[str]:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out),
+    ]  # fmt: skip
+
+
+def build(folder: Path, cxx: str) -> Path:
+    """Compile into `folder` (replaced whole, manifest last); returns the library's path."""
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    done = subprocess.run(_command(cxx, tmp / LIBRARY), capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {last}")
+    write_manifest(tmp, "kernels", {"source": SOURCE.name, "torch": torch.__version__, "compiler": cxx})
+    replace_dir(tmp, folder)
+    return folder / LIBRARY
+
+
+def library() -> Path:
+    """The verified library for this machine, built first where there is none (or a damaged one)."""
+    cxx = cpp_compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+    folder = cache_root() / build_key(cxx)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time per key: a second process (a test worker, a second server) waits, then loads it.
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (folder / LIBRARY).is_file() and (folder / MANIFEST).is_file():
+            try:
+                verify_manifest(folder)
+                return folder / LIBRARY
+            except ManifestError as err:
+                print(f"enlace kernels: {err}; rebuilding", file=sys.stderr)
+        return build(folder, cxx)
+
+
+def available() -> bool:
+    """Whether torch.ops.enlace.linear_f32 / linear_i8 can be called (building and loading them once)."""
+    if "ok" not in _state:
+        if os.environ.get(ENV_DISABLE) == "0":
+            _state.update(ok=False, why=f"{ENV_DISABLE}=0")
+        elif not sys.platform.startswith("linux"):
+            _state.update(ok=False, why=f"built on Linux only, not {sys.platform}")
+        else:
+            try:
+                torch.ops.load_library(str(library()))
+                _state.update(ok=True, why="")
+            except (OSError, RuntimeError, ManifestError) as err:
+                _state.update(ok=False, why=str(err))
+                print(f"enlace kernels unavailable, decoding uses torch's: {err}", file=sys.stderr)
+    return bool(_state["ok"])
+
+
+def why_unavailable() -> str:
+    """Why available() said no ("" when it said yes)."""
+    available()
+    return str(_state["why"])

@@ -1,0 +1,135 @@
+// Matrix-vector products for decoding on a CPU: y[m, n] = sum_k x[m, k] * w[n, k] for a few rows m of
+// activations (one token per active sequence) against a weight read once per step.
+//
+// Why not torch's own: on 2 cores of an AVX2 EPYC, torch's fp32 F.linear reads a [1536, 576] weight at
+// 12 GB/s where a plain sum over the same bytes runs at 30, and its int8 weight-only kernel reaches about
+// 2 GB/s with fp32 activations. Decoding reads every weight once per token, so those rates are the tokens
+// per second. Here each thread owns whole output rows and streams them once for all m activation rows,
+// with several accumulators to hide the FMA latency.
+//
+// Determinism: a row's sum is computed by one thread in a fixed order, so the result does not depend on
+// the number of threads.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ENLACE_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kMaxRows = 8;  // activation rows per call; more is a prefill, which torch's GEMM serves
+
+#ifdef ENLACE_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Eight weights as floats: fp32 loaded as is, int8 widened.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+// out[m * n_out + n] = scale[n] * dot(w row n, x row m), for rows n in [begin, end) and all M rows m:
+// each weight is loaded (and widened) once and multiplied into every activation row.
+template <int M, typename W>
+void rows_dot(const float* x, const W* w, int64_t k, const float* scale, float* out, int64_t n_out,
+              int64_t begin, int64_t end) {
+  for (int64_t n = begin; n < end; ++n) {
+    const W* wr = w + n * k;
+    float total[M];
+    int64_t i = 0;
+#ifdef ENLACE_AVX2
+    // Two chunks of eight per step, each with its own accumulators: two FMA chains per activation row.
+    __m256 a0[M], a1[M];
+    for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm256_setzero_ps();
+    for (; i + 16 <= k; i += 16) {
+      const __m256 w0 = load8(wr + i), w1 = load8(wr + i + 8);
+      for (int m = 0; m < M; ++m) {
+        a0[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * k + i), a0[m]);
+        a1[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * k + i + 8), a1[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) total[m] = hsum(_mm256_add_ps(a0[m], a1[m]));
+#else
+    for (int m = 0; m < M; ++m) total[m] = 0.f;
+#endif
+    for (; i < k; ++i)
+      for (int m = 0; m < M; ++m) total[m] += static_cast<float>(wr[i]) * x[m * k + i];
+    for (int m = 0; m < M; ++m) out[m * n_out + n] = scale ? total[m] * scale[n] : total[m];
+  }
+}
+
+template <typename W>
+using RowsDot = void (*)(const float*, const W*, int64_t, const float*, float*, int64_t, int64_t, int64_t);
+
+template <typename W>
+RowsDot<W> rows_dot_for(int64_t m_rows) {
+  static const RowsDot<W> table[kMaxRows] = {rows_dot<1, W>, rows_dot<2, W>, rows_dot<3, W>, rows_dot<4, W>,
+                                             rows_dot<5, W>, rows_dot<6, W>, rows_dot<7, W>, rows_dot<8, W>};
+  return table[m_rows - 1];
+}
+
+at::Tensor as_float_rows(const at::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.size(-1) == k, op, ": activations of width ", x.size(-1), " for a weight of width ", k);
+  at::Tensor x2 = x.reshape({-1, k}).to(at::kFloat).contiguous();
+  TORCH_CHECK(x2.size(0) >= 1 && x2.size(0) <= kMaxRows, op, ": at most ", kMaxRows, " activation rows, got ", x2.size(0));
+  return x2;
+}
+
+template <typename W>
+at::Tensor run(const at::Tensor& x, const at::Tensor& w, const float* scale, const char* op) {
+  const int64_t n_out = w.size(0), k = w.size(1);
+  at::Tensor x2 = as_float_rows(x, k, op);
+  at::Tensor y = at::empty({x2.size(0), n_out}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  const W* wp = w.data_ptr<W>();
+  float* yp = y.data_ptr<float>();
+  const RowsDot<W> dot = rows_dot_for<W>(x2.size(0));
+  // A grain of about 64 KiB of weights per task: enough to amortise the task, small enough to balance.
+  const int64_t grain = std::max<int64_t>(16, (64 * 1024) / (k * static_cast<int64_t>(sizeof(W))));
+  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+    dot(xp, wp, k, scale, yp, n_out, begin, end);
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n_out;
+  return y.view(shape).to(x.scalar_type());
+}
+
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.dim() == 2 && w.is_contiguous(),
+              "enlace::linear_f32: the weight must be a contiguous 2-D float32 tensor");
+  return run<float>(x, w, nullptr, "enlace::linear_f32");
+}
+
+at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
+              "enlace::linear_i8: the weight must be a contiguous 2-D int8 tensor");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == w.size(0) && scales.is_contiguous(),
+              "enlace::linear_i8: one float32 scale per output row");
+  return run<int8_t>(x, w, scales.data_ptr<float>(), "enlace::linear_i8");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(enlace, m) {
+  m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_i8(Tensor x, Tensor w, Tensor scales) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(enlace, CPU, m) {
+  m.impl("linear_f32", &linear_f32);
+  m.impl("linear_i8", &linear_i8);
+}

@@ -1,0 +1,139 @@
+"""ENLACE's CPU decode kernels (enlace.kernels): their products, their determinism, the build cache and the
+decode path that uses them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from enlace import kernels
+from enlace.config.model import ModelConfig
+from enlace.generate import Int8Linear, KernelLinear, decode_weights, generate
+from enlace.model import KVCache, Llama
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux")
+
+CFG = ModelConfig(name="t", vocab_size=300, n_layer=2, n_head=6, n_kv_head=2, d_model=72, seq_len=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    # make test's machines have a C++ compiler (torch.compile needs one too): a failed build is a failure.
+    assert kernels.available(), f"ENLACE's kernels did not build: {kernels.why_unavailable()}"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("width", [16, 37, 200])  # a multiple of the vector loop, a tail only, both
+def test_products_match_torch(rows, width):
+    g = torch.Generator().manual_seed(rows * 1000 + width)
+    x, w = torch.randn(rows, width, generator=g), torch.randn(130, width, generator=g)
+    ref = x.double() @ w.double().T
+    got = torch.ops.enlace.linear_f32(x, w)
+    assert got.shape == (rows, 130) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+    codes = torch.randint(-127, 128, (130, width), dtype=torch.int8, generator=g)
+    scales = torch.rand(130, generator=g)
+    ref8 = (x.double() @ codes.double().T) * scales.double()
+    assert torch.allclose(torch.ops.enlace.linear_i8(x, codes, scales).double(), ref8, rtol=1e-5, atol=1e-4)
+
+
+def test_leading_dimensions_and_dtype_are_kept():
+    x = torch.randn(2, 1, 40, dtype=torch.bfloat16)
+    y = torch.ops.enlace.linear_f32(x, torch.randn(24, 40))
+    assert y.shape == (2, 1, 24) and y.dtype == torch.bfloat16
+
+
+def test_a_row_sum_does_not_depend_on_the_thread_count():
+    x, w = torch.randn(4, 333), torch.randn(5000, 333)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = torch.ops.enlace.linear_f32(x, w)
+        torch.set_num_threads(max(2, before))
+        many = torch.ops.enlace.linear_f32(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_bad_operands_are_refused_by_name():
+    with pytest.raises(RuntimeError, match="at most 8 activation rows"):
+        torch.ops.enlace.linear_f32(torch.randn(9, 16), torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="activations of width 15 for a weight of width 16"):
+        torch.ops.enlace.linear_f32(torch.randn(1, 15), torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="one float32 scale per output row"):
+        torch.ops.enlace.linear_i8(torch.randn(1, 16), torch.zeros(4, 16, dtype=torch.int8), torch.ones(3))
+
+
+def test_decode_layers_use_the_kernels_and_keep_the_logits():
+    torch.manual_seed(0)
+    ref = Llama(CFG).eval()
+    fast = decode_weights(_same(ref), "fp32")
+    assert isinstance(fast.lm_head, KernelLinear)
+    assert fast.lm_head.weight is fast.model.embed_tokens.weight  # the tied head is not copied
+    assert fast.model.layers[0].self_attn.qkv is not None  # q, k and v in one product
+    torch_path = decode_weights(_same(ref), "fp32", kernel_choice="torch")
+    assert type(torch_path.lm_head) is torch.nn.Linear
+    ids = [3, 1, 4, 1, 5, 9, 2, 6]
+    # Greedy decoding through the kernels gives torch's sequence.
+    assert list(generate(fast, ids, 12)) == list(generate(torch_path, ids, 12))
+    # One decode step through the kernels (after a prefill) gives the plain forward pass's logits.
+    nxt = 7
+    with torch.no_grad():
+        want = ref(torch.tensor([[*ids, nxt]])).logits[0, -1]
+        cache = KVCache.empty(CFG, 1, 16, torch.device("cpu"), torch.float32)
+        fast(torch.tensor([ids]), cache=cache)
+        got = fast(torch.tensor([[nxt]]), cache=cache).logits[0, -1]
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _same(model: Llama) -> Llama:
+    copy = Llama(model.cfg).eval()
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def test_int8_decoding_on_fp32_activations_matches_torchs_int8_kernel():
+    lin = torch.nn.Linear(96, 150, bias=False)
+    mine, theirs = Int8Linear(lin, torch.float32, kernel=True), Int8Linear(lin, torch.float32, kernel=False)
+    x = torch.randn(1, 1, 96)
+    assert torch.allclose(mine(x), theirs(x), rtol=1e-4, atol=1e-4)
+    prefill = torch.randn(1, 20, 96)  # more rows than a decode step: torch's kernel, the same numbers
+    assert torch.equal(mine(prefill), theirs(prefill))
+
+
+def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {**os.environ, "XDG_CACHE_HOME": str(cache), **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=300)
+
+
+def test_a_damaged_library_is_rebuilt_not_loaded(tmp_path):
+    code = "from enlace import kernels; assert kernels.available(), kernels.why_unavailable(); print(kernels.library())"
+    first = _run(code, tmp_path)
+    assert first.returncode == 0, first.stderr
+    library = Path(first.stdout.split()[-1])
+    assert library.is_relative_to(tmp_path / "enlace" / "kernels")
+    data = bytearray(library.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte: the manifest's sha256 no longer matches
+    library.write_bytes(bytes(data))
+    second = _run(code, tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert "rebuilding" in second.stderr
+    assert library.read_bytes() != bytes(data)
+
+
+def test_switched_off_decoding_keeps_torchs_kernels(tmp_path):
+    code = (
+        "from enlace import kernels; from enlace.generate import decode_weights; from enlace.model import Llama;"
+        "from enlace.config.model import ModelConfig;"
+        "m = decode_weights(Llama(ModelConfig(name='t', vocab_size=64, d_model=32, n_layer=1, n_head=2,"
+        " n_kv_head=2, seq_len=16)), 'fp32');"
+        "print(kernels.available(), kernels.why_unavailable(), type(m.lm_head).__name__)"
+    )
+    done = _run(code, tmp_path, ENLACE_KERNELS="0")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "ENLACE_KERNELS=0", "Linear"]
+    assert not (tmp_path / "enlace" / "kernels").exists()  # nothing was built
