@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from gemma_helpers import GEMMA3_SWITCHES
 
 from enlace import kernels
 from enlace.config.model import ModelConfig
 from enlace.generate import Int8Linear, KernelLinear, decode_weights, generate
-from enlace.model import KVCache, Llama
+from enlace.model import KVCache, Llama, SlotCache
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux")
 
@@ -137,3 +138,64 @@ def test_switched_off_decoding_keeps_torchs_kernels(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "ENLACE_KERNELS=0", "Linear"]
     assert not (tmp_path / "enlace" / "kernels").exists()  # nothing was built
+
+
+GEMMA_LIKE = ModelConfig(
+    name="g", vocab_size=300, n_layer=4, n_head=4, n_kv_head=2, d_model=64, attn_head_dim=32, ffn_hidden=128,
+    seq_len=64, norm_eps=1e-6, query_pre_attn_scalar=24, sliding_window=6, global_every=2,
+    rope_local_theta=10_000.0, tie_embeddings=True, **GEMMA3_SWITCHES,
+)  # fmt: skip
+
+
+def _decoder(cfg: ModelConfig, weights: str) -> Llama:
+    torch.manual_seed(1)
+    model = Llama(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)  # norms away from their identity: each one is exercised
+    return decode_weights(model, weights)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_LIKE], ids=["llama", "gemma3"])
+def test_the_layer_loop_in_one_call_equals_the_layers_in_python(cfg, weights):
+    model = _decoder(cfg, weights)
+    fast = model.layers_step
+    assert fast is not None
+    prompt, steps = torch.tensor([list(range(10, 19))]), [5, 17, 230, 9, 44, 3]  # past the window of 6
+    logits = {}
+    with torch.no_grad():
+        for name, layers_step in (("one call", fast), ("python", None)):
+            model.layers_step = layers_step
+            cache = KVCache.empty(cfg, 1, 32, torch.device("cpu"), torch.float32)
+            model(prompt, cache=cache)
+            logits[name] = torch.stack([model(torch.tensor([[t]]), cache=cache).logits[0, -1] for t in steps])
+    assert torch.allclose(logits["one call"], logits["python"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("cfg", [CFG, GEMMA_LIKE], ids=["llama", "gemma3"])
+def test_slot_rows_at_their_own_positions_equal_the_layers_in_python(cfg):
+    model = _decoder(cfg, "fp32")
+    fast = model.layers_step
+    lengths = [3, 11, 7]
+    out = {}
+    with torch.no_grad():
+        for name, layers_step in (("one call", fast), ("python", None)):
+            model.layers_step = layers_step
+            slots = SlotCache(KVCache.empty(cfg, 4, 32, torch.device("cpu"), torch.float32), list(lengths))
+            for i, n in enumerate(lengths):  # each row prefilled alone, as the server does
+                row = slots.cache.row(i)
+                model(torch.tensor([list(range(20 + i, 20 + i + n))]), cache=row)
+            out[name] = model(torch.tensor([[4], [8], [15]]), cache=slots).logits[:, -1]
+    assert torch.allclose(out["one call"], out["python"], atol=1e-4, rtol=1e-4)
+
+
+def test_a_position_outside_the_cache_is_refused_and_changes_nothing():
+    model = _decoder(CFG, "fp32")
+    cache = KVCache.empty(CFG, 1, 8, torch.device("cpu"), torch.float32)
+    x = torch.randn(1, CFG.d_model)
+    before = x.clone()
+    with pytest.raises(RuntimeError, match="position 8 is outside the cache"):
+        model.layers_step(x, torch.tensor([8]), cache.k, cache.v)
+    assert torch.equal(x, before) and all(not k.any() for k in cache.k)

@@ -137,6 +137,66 @@ class Int8Embedding(nn.Module):
         return head.weight[idx].to(head.scales.dtype) * head.scales[idx].unsqueeze(-1)
 
 
+class KernelDecode:
+    """A decode step through every layer in one call of ENLACE's kernel (kernels/decode_layers.cpp), for a
+    model whose linears are KernelLinear or fp32-activation Int8Linear: what eager PyTorch spent between the
+    products (about fifty operator calls and a dozen module calls per layer) becomes plain loops.
+
+    Set as the model's `layers_step` by decode_weights; the embedding, the final norm and the head stay in
+    Python. Rows go through in groups of at most kernels.MAX_ROWS, each with its own cache rows.
+    """
+
+    # The per-layer order decode_layers.cpp reads (its enum Weight).
+    def __init__(self, model: Llama):
+        cfg, none = model.cfg, torch.empty(0)
+        self.weights: list[torch.Tensor] = []
+        for block in model.model.layers:
+            attn, mlp = block.self_attn, block.mlp
+            sandwich = cfg.sandwich_norm
+            self.weights += [
+                block.input_layernorm.weight,
+                block.post_attention_layernorm.weight,
+                block.pre_feedforward_layernorm.weight if sandwich else none,
+                block.post_feedforward_layernorm.weight if sandwich else none,
+                attn.q_norm.weight if attn.q_norm is not None else none,
+                attn.k_norm.weight if attn.k_norm is not None else none,
+                *_product(attn.qkv), *_product(attn.o_proj), *_product(mlp.gate_up), *_product(mlp.down_proj),
+            ]  # fmt: skip
+        self.weights = [w.detach().contiguous() for w in self.weights]
+        tables = model._rope(torch.empty(0))  # fp32 [seq_len, head_dim]: global, then local
+        self.cos, self.sin = [c for c, _ in tables], [s for _, s in tables]
+        local = [cfg.is_local(i) for i in range(cfg.n_layer)]
+        self.table = [1 if is_local and len(tables) > 1 else 0 for is_local in local]
+        self.windows = [cfg.sliding_window if is_local else 0 for is_local in local]
+        attn = model.model.layers[0].self_attn
+        self.dims = [cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model, cfg.ffn_dim,
+                     int(cfg.sandwich_norm), int(cfg.qk_norm), int(cfg.norm_unit_offset), int(cfg.mlp_act != "silu")]  # fmt: skip
+        self.floats = [cfg.norm_eps, attn.scale if attn.scale is not None else cfg.head_dim**-0.5]
+
+    @staticmethod
+    def fits(model: Llama) -> bool:
+        """Whether every layer's products are ones the kernel runs (not an unmerged adapter, say)."""
+        for block in model.model.layers:
+            for lin in (block.self_attn.qkv, block.self_attn.o_proj, block.mlp.gate_up, block.mlp.down_proj):
+                if not (isinstance(lin, KernelLinear) or (isinstance(lin, Int8Linear) and lin.kernel)):
+                    return False
+        return next(model.model.norm.parameters()).dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, keys: list, values: list) -> None:
+        step = kernels.MAX_ROWS
+        for r in range(0, x.shape[0], step):
+            rows = slice(r, r + step)
+            torch.ops.enlace.decode_layers(
+                x[rows], self.weights, [k[rows] for k in keys], [v[rows] for v in values], positions[rows],
+                self.cos, self.sin, self.table, self.windows, self.dims, self.floats,
+            )  # fmt: skip
+
+
+def _product(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """A kernel linear's weight and its scales (none for fp32)."""
+    return (lin.weight, lin.scales) if isinstance(lin, Int8Linear) else (lin.weight, torch.empty(0))
+
+
 @torch.no_grad()
 def decode_weights(
     model: Llama,
@@ -175,7 +235,7 @@ def decode_weights(
     if head == "int8" and weights != "int8":
         int8_head(model.eval(), kernel=own)
     if weights == "fp32":
-        return _replace_linears(model.eval(), KernelLinear) if own else model
+        return _with_layers_step(_replace_linears(model.eval(), KernelLinear)) if own else model
     fp32_int8 = weights == "int8" and own and not cpu_bf16_native(flags)
     if not fp32_int8:
         model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's
@@ -187,6 +247,11 @@ def decode_weights(
     _replace_linears(model, lambda linear: Int8Linear(linear, act, kernel=fp32_int8))
     if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
+    return _with_layers_step(model) if fp32_int8 else model
+
+
+def _with_layers_step(model: Llama) -> Llama:
+    model.layers_step = KernelDecode(model) if KernelDecode.fits(model) else None
     return model
 
 

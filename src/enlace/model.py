@@ -16,6 +16,7 @@ the computation.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -382,6 +383,9 @@ class Llama(nn.Module):
         sequences) and otherwise lets PyTorch choose, any other value keeps every pass on SDPA."""
         super().__init__()
         self.cfg = cfg
+        # Decoding only: one step of one new token per row through every layer at once, given the embedded
+        # rows [B, d], their positions [B] and the caches' keys and values (generate.KernelDecode sets it).
+        self.layers_step: Callable[[torch.Tensor, torch.Tensor, list, list], None] | None = None
         self.model = Decoder(cfg, sdpa_backend)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -412,10 +416,12 @@ class Llama(nn.Module):
         start = cache.pos if cache is not None else 0
         if start + T > (cache.max_len if cache is not None else self.cfg.seq_len):
             raise ValueError(f"sequence of {start + T} tokens exceeds the window of {self.cfg.seq_len}")
-        x = self.model.embed_tokens(idx)
-        if self.cfg.embed_scale:
-            # The scale in the embedding's dtype, as Gemma's reference rounds it (25.25 for 640 in bf16).
-            x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
+        x = self.embed(idx)
+        if T == 1 and cache is not None and self.layers_step is not None and not torch.is_grad_enabled():
+            x = x.view(B, -1).contiguous()
+            self.layers_step(x, torch.full((B,), start, dtype=torch.long), cache.k, cache.v)
+            cache.pos += 1
+            return self.model.norm(x.view(B, 1, -1))
         if cache is not None:  # decoding: the tables are built once, not at each step
             rope = [(cos[start : start + T], sin[start : start + T]) for cos, sin in self._rope(x)]
         else:
@@ -430,6 +436,13 @@ class Llama(nn.Module):
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(idx)
+        if self.cfg.embed_scale:
+            # The scale in the embedding's dtype, as Gemma's reference rounds it (25.25 for 640 in bf16).
+            x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
+        return x
 
     def _rope(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """cos and sin tables [seq_len, head_dim] in x's dtype and device, global then local, kept on the
@@ -455,10 +468,12 @@ class Llama(nn.Module):
             )
         if max(slots.lengths) >= slots.cache.max_len:
             raise ValueError(f"a row of {max(slots.lengths)} positions fills the slot cache")
+        x = self.embed(idx)
+        if self.layers_step is not None and not torch.is_grad_enabled():
+            x = x.view(B, -1).contiguous()
+            self.layers_step(x, torch.tensor(slots.lengths), slots.cache.k, slots.cache.v)
+            return self.model.norm(x.view(B, 1, -1))
         slots.prepare(self.cfg.sliding_window, idx.device)
-        x = self.model.embed_tokens(idx)
-        if self.cfg.embed_scale:
-            x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
         # [B, 1, 1, D]: each row's own angles, broadcast over its heads.
         pos = slots.positions
         rope = [(cos[pos][:, None, None], sin[pos][:, None, None]) for cos, sin in self._rope(x)]

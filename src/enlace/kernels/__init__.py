@@ -1,4 +1,5 @@
-"""ENLACE's own CPU kernels for decoding: `torch.ops.enlace.linear_f32` and `linear_i8` (decode_linear.cpp).
+"""ENLACE's own CPU kernels for decoding: `torch.ops.enlace.linear_f32` and `linear_i8` (decode_linear.cpp),
+and `decode_layers` (decode_layers.cpp), a decode step through every layer of the decoder in one call.
 
 Decoding one token multiplies a few activation rows by every weight once, so its speed is the rate at which
 those products stream the weights. decode_linear.cpp says why torch's own kernels fall short there and what
@@ -33,7 +34,8 @@ from ..io import replace_dir
 from ..manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from ..runtime import cpp_compiler, cpu_flags
 
-SOURCE = Path(__file__).with_name("decode_linear.cpp")
+# The products, and the layer loop that calls them (one library, one namespace of ops).
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_linear.cpp", "decode_layers.cpp"))
 LIBRARY = "decode_linear.so"
 MAX_ROWS = 8  # activation rows one call takes (kMaxRows in the source): more is a prefill, left to torch
 # -fopenmp: at::parallel_for is inline in the headers and threads only where OpenMP is on (torch's own libgomp
@@ -56,7 +58,7 @@ def _compiler_version(cxx: str) -> str:
 
 def build_key(cxx: str) -> str:
     parts = [
-        SOURCE.read_text(encoding="utf-8"),
+        *(source.read_text(encoding="utf-8") for source in SOURCES),
         _compiler_version(cxx),
         " ".join(FLAGS),
         torch.__version__,
@@ -71,7 +73,7 @@ def _command(cxx: str, out: Path) -> list[str]:
     return [
         cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        str(SOURCE), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out),
+        *map(str, SOURCES), f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch_cpu", "-o", str(out),
     ]  # fmt: skip
 
 
@@ -81,8 +83,9 @@ def build(folder: Path, cxx: str) -> Path:
     done = subprocess.run(_command(cxx, tmp / LIBRARY), capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"{cxx} failed on {SOURCE.name}: {last}")
-    write_manifest(tmp, "kernels", {"source": SOURCE.name, "torch": torch.__version__, "compiler": cxx})
+        raise RuntimeError(f"{cxx} failed on the kernels' sources: {last}")
+    sources = [source.name for source in SOURCES]
+    write_manifest(tmp, "kernels", {"sources": sources, "torch": torch.__version__, "compiler": cxx})
     replace_dir(tmp, folder)
     return folder / LIBRARY
 

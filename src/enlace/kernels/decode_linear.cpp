@@ -15,6 +15,9 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -90,19 +93,27 @@ at::Tensor as_float_rows(const at::Tensor& x, int64_t k, const char* op) {
 }
 
 template <typename W>
+void product_rows(const float* x, int64_t m_rows, const W* w, int64_t n_out, int64_t k, const float* scale,
+                  float* y) {
+  const RowsDot<W> dot = rows_dot_for<W>(m_rows);
+  // A grain of about 64 KiB of weights per task: enough to amortise the task, small enough to balance.
+  const int64_t grain = std::max<int64_t>(16, (64 * 1024) / (k * static_cast<int64_t>(sizeof(W))));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (n_out + grain - 1) / grain));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    const int64_t parts = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t chunk = (n_out + parts - 1) / parts;
+    const int64_t begin = me * chunk, end = std::min(n_out, begin + chunk);
+    if (begin < end) dot(x, w, k, scale, y, n_out, begin, end);
+  }
+}
+
+template <typename W>
 at::Tensor run(const at::Tensor& x, const at::Tensor& w, const float* scale, const char* op) {
   const int64_t n_out = w.size(0), k = w.size(1);
   at::Tensor x2 = as_float_rows(x, k, op);
   at::Tensor y = at::empty({x2.size(0), n_out}, x2.options());
-  const float* xp = x2.data_ptr<float>();
-  const W* wp = w.data_ptr<W>();
-  float* yp = y.data_ptr<float>();
-  const RowsDot<W> dot = rows_dot_for<W>(x2.size(0));
-  // A grain of about 64 KiB of weights per task: enough to amortise the task, small enough to balance.
-  const int64_t grain = std::max<int64_t>(16, (64 * 1024) / (k * static_cast<int64_t>(sizeof(W))));
-  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    dot(xp, wp, k, scale, yp, n_out, begin, end);
-  });
+  product_rows<W>(x2.data_ptr<float>(), x2.size(0), w.data_ptr<W>(), n_out, k, scale, y.data_ptr<float>());
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n_out;
   return y.view(shape).to(x.scalar_type());
@@ -123,6 +134,16 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 }
 
 }  // namespace
+
+namespace enlace {
+void product(const float* x, int64_t rows, const at::Tensor& w, const at::Tensor& scales, float* y) {
+  TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "enlace: at most ", kMaxRows, " activation rows, got ", rows);
+  if (w.scalar_type() == at::kChar)
+    product_rows<int8_t>(x, rows, w.data_ptr<int8_t>(), w.size(0), w.size(1), scales.data_ptr<float>(), y);
+  else
+    product_rows<float>(x, rows, w.data_ptr<float>(), w.size(0), w.size(1), nullptr, y);
+}
+}  // namespace enlace
 
 TORCH_LIBRARY(enlace, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
