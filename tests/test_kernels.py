@@ -10,6 +10,7 @@ import pytest
 import torch
 from gemma_helpers import GEMMA3_SWITCHES
 
+from enlace import generate as generate_module
 from enlace import kernels
 from enlace.config.model import ModelConfig
 from enlace.generate import Int8Linear, KernelLinear, decode_weights, generate
@@ -97,13 +98,18 @@ def _same(model: Llama) -> Llama:
     return copy
 
 
-def test_int8_decoding_on_fp32_activations_matches_torchs_int8_kernel():
+def test_int8_decoding_on_fp32_activations_matches_torchs_int8_kernel(monkeypatch):
     lin = torch.nn.Linear(96, 150, bias=False)
     mine, theirs = Int8Linear(lin, torch.float32, kernel=True), Int8Linear(lin, torch.float32, kernel=False)
     x = torch.randn(1, 1, 96)
     assert torch.allclose(mine(x), theirs(x), rtol=1e-4, atol=1e-4)
-    prefill = torch.randn(1, 20, 96)  # more rows than a decode step: torch's kernel, the same numbers
-    assert torch.equal(mine(prefill), theirs(prefill))
+    # A prompt's rows: the weight dequantised a block at a time (here 32 rows of 96, so five blocks) for
+    # torch's fp32 GEMM; the product of the dequantised matrix either way.
+    monkeypatch.setattr(generate_module, "PREFILL_BLOCK", 32 * 96)
+    prefill = torch.randn(1, 20, 96)
+    want = prefill @ mine.dequantized().T
+    assert torch.allclose(mine(prefill), want, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(theirs(prefill), want, rtol=1e-4, atol=1e-4)
 
 
 def _run(code: str, cache: Path, **env: str) -> subprocess.CompletedProcess:

@@ -91,6 +91,9 @@ class KernelLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+PREFILL_BLOCK = 1 << 22  # weights dequantised at once by an int8 prefill on fp32 activations (16 MiB)
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 (symmetric, one scale per output row); activations in the scales' dtype (bf16, or
     fp32 where the CPU has no native bf16 or for an int8 head on an fp32 model), as is the output.
@@ -113,9 +116,22 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel and decode_rows(x, self.in_features):
             return torch.ops.enlace.linear_i8(x, self.weight, self.scales)
+        if self.kernel:
+            return self._prefill(x)
         x2 = x.reshape(-1, self.in_features).to(self.scales.dtype)
         y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Many fp32 rows (a prompt): torch's fp32 GEMM on the weight dequantised a block of rows at a time.
+        torch's int8 kernel takes fp32 activations at a few GB/s (a 500-token SmolLM2 prompt took 34 s);
+        a block of at most PREFILL_BLOCK values bounds the extra memory."""
+        rows = max(1, PREFILL_BLOCK // self.in_features)
+        parts = [
+            F.linear(x, self.weight[r : r + rows].float() * self.scales[r : r + rows, None])
+            for r in range(0, self.out_features, rows)
+        ]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, as an fp32 matrix (a new tensor: for scoring, not decoding)."""

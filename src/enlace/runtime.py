@@ -285,6 +285,22 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
+def release_freed_memory() -> bool:
+    """Give the memory glibc holds free back to the kernel (malloc_trim). True if it applied.
+
+    With keep_freed_memory on, what a model's load frees (the separate q, k and v weights once fused, fp32
+    weights once quantised) would stay in the process's resident memory for its whole life. A no-op where
+    the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
+
+
 def setup_runtime(hw: HardwareConfig) -> torch.device:
     """Threads, determinism switches and the CPU allocator; returns the torch device to use."""
     if hw.device == "cpu":

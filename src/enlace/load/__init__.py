@@ -25,6 +25,7 @@ from ..errors import HardwareError, ModelError
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
 from ..model import Llama
+from ..runtime import release_freed_memory
 from ..text import ByteCodec, SentencePieceCodec
 from .locate import ModelRef, base_of_lora_run, check_model_folder, locate
 from .preamble import PreambleSpec, load_spec
@@ -217,4 +218,5 @@ def load_model(
     if weights is not None or head != "same":
         decode_weights(loaded.model, resolved, device, head=head)
         loaded.weights = resolved if head == "same" or resolved == "int8" else f"{resolved} ({head} head)"
+        release_freed_memory()  # the weights the conversion replaced
     return loaded
