@@ -76,7 +76,9 @@ def test_decode_layers_use_the_kernels_and_keep_the_logits():
     fast = decode_weights(_same(ref), "fp32")
     assert isinstance(fast.lm_head, KernelLinear)
     assert fast.lm_head.weight is fast.model.embed_tokens.weight  # the tied head is not copied
-    assert fast.model.layers[0].self_attn.qkv is not None  # q, k and v in one product
+    # q, k and v stay three weights (read in one pass by the layer kernel): no stacked copy is made.
+    assert fast.model.layers[0].self_attn.qkv is None
+    assert isinstance(fast.model.layers[0].self_attn.q_proj, KernelLinear)
     torch_path = decode_weights(_same(ref), "fp32", kernel_choice="torch")
     assert type(torch_path.lm_head) is torch.nn.Linear
     ids = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -16,6 +16,7 @@ from torch import nn
 from . import kernels
 from .errors import EnlaceError, HardwareError
 from .model import KVCache, Llama, fuse_projections
+from .runtime import drop_mapped_pages
 
 # auto: bf16 on a CPU with native bf16 (avx512_bf16 or AMX), else fp32 as loaded.
 DECODE_WEIGHTS = ("auto", "fp32", "bf16", "int8")
@@ -104,13 +105,28 @@ class Int8Linear(nn.Module):
     byte by bench/bench_head_int8.py.
     """
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype = torch.bfloat16, kernel: bool = False):
+    def __init__(
+        self,
+        linear: nn.Linear,
+        dtype: torch.dtype = torch.bfloat16,
+        kernel: bool = False,
+        release: bool = False,
+    ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel and dtype == torch.float32
-        w = linear.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-        self.register_buffer("weight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        w = linear.weight.detach()
+        codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+        scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+        # A block of rows at a time: the fp32 temporaries of Gemma 3's 262k-row head would be GiBs at once.
+        rows = max(1, PREFILL_BLOCK // self.in_features)
+        for r in range(0, self.out_features, rows):
+            block = w[r : r + rows].float()
+            scale[r : r + rows] = block.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+            codes[r : r + rows] = torch.round(block / scale[r : r + rows, None]).clamp(-127, 127)
+            if release:  # the caller discards `linear`: its rows' pages read from a mapped file go back now
+                drop_mapped_pages([w[r : r + rows]])
+        self.register_buffer("weight", codes)
         self.register_buffer("scales", scale.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,6 +185,15 @@ class KernelDecode:
         for block in model.model.layers:
             attn, mlp = block.self_attn, block.mlp
             sandwich = cfg.sandwich_norm
+            products = [
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ]
             self.weights += [
                 block.input_layernorm.weight,
                 block.post_attention_layernorm.weight,
@@ -176,13 +201,13 @@ class KernelDecode:
                 block.post_feedforward_layernorm.weight if sandwich else none,
                 attn.q_norm.weight if attn.q_norm is not None else none,
                 attn.k_norm.weight if attn.k_norm is not None else none,
-                *_product(attn.qkv), *_product(attn.o_proj), *_product(mlp.gate_up), *_product(mlp.down_proj),
+                *(lin.weight for lin in products),
+                *(lin.scales if isinstance(lin, Int8Linear) else none for lin in products),
             ]  # fmt: skip
         self.weights = [w.detach().contiguous() for w in self.weights]
-        tables = model._rope(torch.empty(0))  # fp32 [seq_len, head_dim]: global, then local
-        self.cos, self.sin = [c for c, _ in tables], [s for _, s in tables]
+        self.model = model
         local = [cfg.is_local(i) for i in range(cfg.n_layer)]
-        self.table = [1 if is_local and len(tables) > 1 else 0 for is_local in local]
+        self.table = [1 if is_local and cfg.rope_local_theta is not None else 0 for is_local in local]
         self.windows = [cfg.sliding_window if is_local else 0 for is_local in local]
         attn = model.model.layers[0].self_attn
         self.dims = [cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.d_model, cfg.ffn_dim,
@@ -193,24 +218,30 @@ class KernelDecode:
     def fits(model: Llama) -> bool:
         """Whether every layer's products are ones the kernel runs (not an unmerged adapter, say)."""
         for block in model.model.layers:
-            for lin in (block.self_attn.qkv, block.self_attn.o_proj, block.mlp.gate_up, block.mlp.down_proj):
+            attn, mlp = block.self_attn, block.mlp
+            for lin in (
+                attn.q_proj,
+                attn.k_proj,
+                attn.v_proj,
+                attn.o_proj,
+                mlp.gate_proj,
+                mlp.up_proj,
+                mlp.down_proj,
+            ):
                 if not (isinstance(lin, KernelLinear) or (isinstance(lin, Int8Linear) and lin.kernel)):
                     return False
         return next(model.model.norm.parameters()).dtype == torch.float32
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, keys: list, values: list) -> None:
+        tables = self.model._rope(x, int(positions.max()) + 1)  # fp32 [n, head_dim]: global, then local
+        cos, sin = [c for c, _ in tables], [s for _, s in tables]
         step = kernels.MAX_ROWS
         for r in range(0, x.shape[0], step):
             rows = slice(r, r + step)
             torch.ops.enlace.decode_layers(
                 x[rows], self.weights, [k[rows] for k in keys], [v[rows] for v in values], positions[rows],
-                self.cos, self.sin, self.table, self.windows, self.dims, self.floats,
+                cos, sin, self.table, self.windows, self.dims, self.floats,
             )  # fmt: skip
-
-
-def _product(lin: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """A kernel linear's weight and its scales (none for fp32)."""
-    return (lin.weight, lin.scales) if isinstance(lin, Int8Linear) else (lin.weight, torch.empty(0))
 
 
 @torch.no_grad()
@@ -247,7 +278,10 @@ def decode_weights(
     if "int8" in (weights, head) and not cpu:
         raise ValueError("int8 decode weights use torch's CPU kernel; use bf16 on a GPU")
     own = cpu and kernel_choice == "auto" and weights != "bf16" and kernels.available()
-    fuse_projections(model.eval())
+    if not own:
+        # torch's kernels: q, k and v (gate and up) as one product each. ENLACE's kernels read the separate
+        # weights in one pass instead, so no stacked copy is made (the loaded ones stay memory-mapped).
+        fuse_projections(model.eval())
     if head == "int8" and weights != "int8":
         int8_head(model.eval(), kernel=own)
     if weights == "fp32":
@@ -260,7 +294,7 @@ def decode_weights(
     if weights == "bf16":
         return _replace_linears(model, PackedLinear)
     act = torch.float32 if fp32_int8 else torch.bfloat16
-    _replace_linears(model, lambda linear: Int8Linear(linear, act, kernel=fp32_int8))
+    _replace_linears(model, lambda linear: Int8Linear(linear, act, kernel=fp32_int8, release=True))
     if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return _with_layers_step(model) if fp32_int8 else model
@@ -283,7 +317,7 @@ def int8_head(model: Llama, kernel: bool = False) -> Llama:
     """The output head in int8 with one fp32 scale per row, in place; a tied embedding then reads the same
     int8 rows (dequantised), so the fp32 matrix is freed and one int8 copy serves both. kernel: decode steps
     through ENLACE's kernel (Int8Linear)."""
-    model.lm_head = Int8Linear(model.lm_head, dtype=torch.float32, kernel=kernel)
+    model.lm_head = Int8Linear(model.lm_head, dtype=torch.float32, kernel=kernel, release=True)
     if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return model

@@ -423,7 +423,7 @@ class Llama(nn.Module):
             cache.pos += 1
             return self.model.norm(x.view(B, 1, -1))
         if cache is not None:  # decoding: the tables are built once, not at each step
-            rope = [(cos[start : start + T], sin[start : start + T]) for cos, sin in self._rope(x)]
+            rope = [(cos[start : start + T], sin[start : start + T]) for cos, sin in self._rope(x, start + T)]
         else:
             positions = torch.arange(start, start + T, device=idx.device)
             rope = [rope_cos_sin(self.cfg.head_dim, positions, self.cfg.rope_theta)]
@@ -444,13 +444,16 @@ class Llama(nn.Module):
             x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
         return x
 
-    def _rope(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """cos and sin tables [seq_len, head_dim] in x's dtype and device, global then local, kept on the
-        model (not in its state dict) once made."""
+    def _rope(self, x: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """cos and sin tables [n, head_dim] in x's dtype and device, global then local, for n >= `length`
+        positions, kept on the model (not in its state dict) once made. They grow by doubling, up to seq_len,
+        as positions are asked for: Gemma 3's 32k-position tables would take 128 MiB in fp32."""
         key = (x.device, x.dtype)
         tables = self.__dict__.setdefault("_rope_tables", {})
-        if key not in tables:
-            positions = torch.arange(self.cfg.seq_len, device=x.device)
+        if key not in tables or tables[key][0][0].shape[0] < length:
+            have = tables[key][0][0].shape[0] if key in tables else 0
+            n = min(self.cfg.seq_len, max(length, 2 * have, 256))
+            positions = torch.arange(n, device=x.device)
             thetas = [self.cfg.rope_theta, self.cfg.rope_local_theta]
             tables[key] = [
                 tuple(t.to(x.dtype) for t in rope_cos_sin(self.cfg.head_dim, positions, theta))
@@ -476,7 +479,8 @@ class Llama(nn.Module):
         slots.prepare(self.cfg.sliding_window, idx.device)
         # [B, 1, 1, D]: each row's own angles, broadcast over its heads.
         pos = slots.positions
-        rope = [(cos[pos][:, None, None], sin[pos][:, None, None]) for cos, sin in self._rope(x)]
+        tables = self._rope(x, max(slots.lengths) + 1)
+        rope = [(cos[pos][:, None, None], sin[pos][:, None, None]) for cos, sin in tables]
         for i, block in enumerate(self.model.layers):
             cos, sin = rope[1] if len(rope) > 1 and self.cfg.is_local(i) else rope[0]
             x = block(x, cos, sin, slots, i)

@@ -301,6 +301,57 @@ def release_freed_memory() -> bool:
     return bool(trim(0))
 
 
+_MADV_DONTNEED = 4
+_PAGE = 4096
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """The address ranges of this process's memory mapped from files (/proc/self/maps; [heap], [stack] and
+    anonymous memory excluded)."""
+    ranges = []
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/") and parts[4] != "0":  # a path and an inode
+            start, end = (int(a, 16) for a in parts[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def drop_mapped_pages(tensors: list[torch.Tensor]) -> int:
+    """Give back the resident pages of tensors read from a memory-mapped file and no longer needed; the
+    bytes dropped.
+
+    A safetensors weight is a view of the file's mapping, and its pages, once read (to quantise it, say),
+    count in the process's memory for as long as any tensor of the file keeps the mapping. Only whole pages
+    inside a tensor's own bytes and inside a file mapping are dropped (madvise DONTNEED: the kernel re-reads
+    them from the file if they are ever touched again); anonymous memory is never touched.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").madvise
+    except (OSError, AttributeError):
+        return 0
+    mappings, dropped = _file_mappings(), 0
+    for t in tensors:
+        begin = t.data_ptr()
+        end = begin + t.numel() * t.element_size()
+        if not t.is_contiguous() or not any(lo <= begin and end <= hi for lo, hi in mappings):
+            continue
+        first, last = -(-begin // _PAGE) * _PAGE, end // _PAGE * _PAGE
+        if (
+            last > first
+            and madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED) == 0
+        ):
+            dropped += last - first
+    return dropped
+
+
 def setup_runtime(hw: HardwareConfig) -> torch.device:
     """Threads, determinism switches and the CPU allocator; returns the torch device to use."""
     if hw.device == "cpu":

@@ -3,7 +3,7 @@
 // Why: with the products at the memory's rate (decode_linear.cpp), what is left of a step on a CPU is the
 // rest of the layer, and eager PyTorch spends it in about fifty small operator calls and as many Python
 // module calls per layer: on 2 AVX2 cores, about 12 ms of SmolLM2's 30 per token. Here the same
-// arithmetic runs as plain loops: RMSNorm (plain or Gemma's 1 + w), fused q/k/v, QK-norm, rotary embeddings
+// arithmetic runs as plain loops: RMSNorm (plain or Gemma's 1 + w), q/k/v in one pass over their weights, QK-norm, rotary embeddings
 // in the half-split convention, the KV cache written at each row's own position, attention of one query
 // per head (grouped KV heads, a sliding window on local layers), the output projection, sandwich norms, the
 // gated MLP (SiLU or tanh-GELU) and both residual adds. Activations and the KV cache are fp32; weights are
@@ -19,13 +19,19 @@
 
 namespace enlace {
 void product(const float* x, int64_t rows, const at::Tensor& w, const at::Tensor& scales, float* y);
+void products(const float* x, int64_t rows, const at::Tensor* weights, const at::Tensor* scales, int count,
+              float* y);
 }
 
 namespace {
 
 // The tensors of one layer, in the order decode_layers takes them (generate.KernelDecode lists them).
-enum Weight { kNormIn, kNormAttnOut, kNormPreMlp, kNormPostMlp, kQNorm, kKNorm, kQkv, kQkvScale, kOut,
-              kOutScale, kGateUp, kGateUpScale, kDown, kDownScale, kPerLayer };
+// Products come as (weight, scales) pairs, the scales empty for fp32 weights.
+enum Weight { kNormIn, kNormAttnOut, kNormPreMlp, kNormPostMlp, kQNorm, kKNorm, kQ, kK, kV, kOut, kGate, kUp,
+              kDown, kScales = kDown + 1, kPerLayer = kScales + 7 };
+
+// The scales of product weight `which` (kQ..kDown).
+inline int scales_of(int which) { return kScales + which - kQ; }
 
 struct Shape {
   int64_t layers, heads, kv_heads, head_dim, d_model, ffn;
@@ -121,7 +127,7 @@ void decode_layers(const at::Tensor& x, at::TensorList weights, at::TensorList k
     float *kc = keys[layer].data_ptr<float>(), *vc = values[layer].data_ptr<float>();
     const float *ct = cos[layer_table[layer]].data_ptr<float>(), *st = sin[layer_table[layer]].data_ptr<float>();
     for (int64_t r = 0; r < rows; ++r) rms_norm(xp + r * s.d_model, w[kNormIn], s, s.d_model, hp + r * s.d_model);
-    enlace::product(hp, rows, w[kQkv], w[kQkvScale], qkvp);
+    enlace::products(hp, rows, w + kQ, w + scales_of(kQ), 3, qkvp);
     for (int64_t r = 0; r < rows; ++r) {
       float* q = qkvp + r * (qd + 2 * kvd);
       float *k = q + qd, *v = k + kvd;
@@ -149,18 +155,18 @@ void decode_layers(const at::Tensor& x, at::TensorList weights, at::TensorList k
         attend(q, kc + base, vc + base, first, pos[r], s, attp + r * qd + head * d);
       }
     });
-    enlace::product(attp, rows, w[kOut], w[kOutScale], op);
+    enlace::product(attp, rows, w[kOut], w[scales_of(kOut)], op);
     for (int64_t r = 0; r < rows; ++r) {
       float *xr = xp + r * s.d_model, *orow = op + r * s.d_model, *hr = hp + r * s.d_model;
       if (s.sandwich) rms_norm(orow, w[kNormAttnOut], s, s.d_model, orow);
       for (int64_t i = 0; i < s.d_model; ++i) xr[i] += orow[i];
       rms_norm(xr, w[s.sandwich ? kNormPreMlp : kNormAttnOut], s, s.d_model, hr);
     }
-    enlace::product(hp, rows, w[kGateUp], w[kGateUpScale], gup);
+    enlace::products(hp, rows, w + kGate, w + scales_of(kGate), 2, gup);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t i = 0; i < s.ffn; ++i)
         actp[r * s.ffn + i] = activation(gup[r * 2 * s.ffn + i], s.gelu) * gup[r * 2 * s.ffn + s.ffn + i];
-    enlace::product(actp, rows, w[kDown], w[kDownScale], op);
+    enlace::product(actp, rows, w[kDown], w[scales_of(kDown)], op);
     for (int64_t r = 0; r < rows; ++r) {
       float *xr = xp + r * s.d_model, *orow = op + r * s.d_model;
       if (s.sandwich) rms_norm(orow, w[kNormPostMlp], s, s.d_model, orow);
