@@ -99,9 +99,12 @@ namespace enlace {
 // parallel region over the blocks of all of them, and no stacked copy of the weights. The weights are all
 // fp32, or all int8 with their scales.
 //
-// Blocks of about 64 KiB of weight rows, split evenly between OpenMP's threads (a static schedule: on a quiet
-// CPU it decoded SmolLM2 at 50 tokens/s where handing blocks out as threads came free gave 42-46).
-// at::parallel_for, which wraps the same team, cost half the rate on the small matrices of a decode step.
+// Blocks of about 64 KiB of weight rows for OpenMP's threads. fp32 products are bound by memory: the blocks
+// are split evenly (a static schedule), each thread streaming one run of rows (in process, SmolLM2 decoded at
+// 50 tokens/s where handing blocks out as threads came free gave 42-46). int8 products are bound by the
+// widening arithmetic: blocks go to threads as they come free (dynamic), so a thread the OS preempts (the
+// server's event loop waking) delays one block, not half the product (served SmolLM2 int8: about 80 tokens/s
+// dynamic, 58 static). at::parallel_for, which wraps the same team, cost half the rate on small matrices.
 void products(const float* x, int64_t rows, const at::Tensor* weights, const at::Tensor* scales, int count,
               float* y) {
   TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "enlace: at most ", kMaxRows, " activation rows, got ", rows);
@@ -119,8 +122,7 @@ void products(const float* x, int64_t rows, const at::Tensor* weights, const at:
   const RowsDot<float> dot32 = rows_dot_for<float>(rows);
   const RowsDot<int8_t> dot8 = rows_dot_for<int8_t>(rows);
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), blocks));
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
+  const auto one_block = [&](int64_t b) {
     const int j = static_cast<int>(std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin()) - 1;
     const int64_t n = weights[j].size(0), begin = (b - first_block[j]) * block, end = std::min(n, begin + block);
     float* out = y + first_column[j];
@@ -128,6 +130,13 @@ void products(const float* x, int64_t rows, const at::Tensor* weights, const at:
       dot8(x, weights[j].data_ptr<int8_t>(), k, scales[j].data_ptr<float>(), out, stride, begin, end);
     else
       dot32(x, weights[j].data_ptr<float>(), k, nullptr, out, stride, begin, end);
+  };
+  if (int8) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < blocks; ++b) one_block(b);
+  } else {
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t b = 0; b < blocks; ++b) one_block(b);
   }
 }
 
