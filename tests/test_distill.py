@@ -137,6 +137,15 @@ def test_distill_draws_each_seed_keeps_distinct_answers_and_reports(tmp_path):
     assert records[0] == {"instruction": HEXAGON.question, "context": "", "response": "Tiene seis lados.",
                           "category": "destilado-fact", "id": "t1", "seed": 0}  # fmt: skip
     assert len(distill(answer, [TEA], 3)[0]) == 1  # one a question by default
+    saved: list[tuple[int, int]] = []  # after every question: what a stopped run keeps
+    distill(
+        answer,
+        [HEXAGON, TEA],
+        3,
+        per_question=2,
+        progress=lambda rec, rows: saved.append((len(rec), len(rows))),
+    )
+    assert saved == [(2, 1), (4, 2)]
     with pytest.raises(DataError, match="must be >= 1"):
         distill(answer, [TEA], 0)
 
@@ -217,3 +226,27 @@ def test_enlace_distill_end_to_end_on_a_tiny_gemma(tmp_path, capsys):
     assert prov["sampler"]["temperature"] > 0 and prov["questions_used"] == 2
     assert main([*args, "--samples", "0"]) != 0  # refused before the model loads, in one line
     assert "enlace distill: --samples 0: must be at least 1" in capsys.readouterr().err
+
+
+def test_sample_many_draws_each_seed_as_generate_does(tmp_path):
+    """The distillation's batched decoding: each row is generate's sample for its seed (the preamble's keys
+    and values copied from a prefill, the rest computed; rows leaving the batch as they end), on a random tiny
+    Gemma whose sliding window (6) the prompt outgrows."""
+    from enlace.generate import generate, prefill, sample_many
+    from enlace.load import load_model
+
+    model = load_model(tiny_gemma_folder(tmp_path / "g")).model
+    preamble = [2, 40, 41, 42, 43, 44, 45, 46, 47, 48]
+    prompt = [*preamble[:-1], 50, 51, 52]  # shares all but the preamble's last id
+    sampling = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1, "no_repeat_ngram": 4}
+    seeds = [0, 1, 2, 3]
+    alone = [list(generate(model, prompt, 12, seed=s, **sampling)) for s in seeds]
+    assert len({tuple(a) for a in alone}) > 1  # the seeds draw different samples
+    for prefix in (None, prefill(model, preamble)):
+        assert sample_many(model, prompt, 12, seeds, prefix=prefix, **sampling) == alone
+    # A row that ends (an eos id, or `done`) leaves; the others go on as before.
+    eos = alone[1][4]
+    ended = sample_many(model, prompt, 12, seeds, eos_ids=[eos], done=lambda ids: len(ids) == 7, **sampling)
+    for got, full in zip(ended, alone, strict=True):
+        cut = next((i + 1 for i, t in enumerate(full) if t == eos), len(full))
+        assert got == full[: min(cut, 7)]

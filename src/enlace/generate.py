@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -484,3 +485,106 @@ def generate(
             return
         guard.push(token)
         logits = model(nxt.view(1, 1).to(device), cache=cache).logits[:, -1]
+
+
+@dataclass
+class Prefilled:
+    """A prompt's keys and values (batch 1): a later prompt that starts with the same ids (a preamble)
+    copies them instead of computing them again."""
+
+    ids: list[int]
+    cache: KVCache
+
+
+@torch.inference_mode()
+def prefill(model: Llama, ids: list[int], device: str | torch.device = "cpu") -> Prefilled:
+    """The keys and values of `ids`, computed once."""
+    model.eval()
+    dtype = next(model.parameters()).dtype
+    cache = KVCache.empty(model.cfg, 1, len(ids), torch.device(device), dtype)
+    model(torch.tensor([ids], device=device), cache=cache, last_only=True)
+    return Prefilled(list(ids), cache)
+
+
+def _start(model: Llama, prompt_ids: list[int], size: int, prefix: Prefilled | None, device) -> tuple:
+    """A batch-1 cache of `size` positions holding the prompt, and the logits after it [1, V]: the positions
+    it shares with `prefix` are copied (at least the last prompt token is computed, for its logits)."""
+    dtype = next(model.parameters()).dtype
+    cache = KVCache.empty(model.cfg, 1, size, torch.device(device), dtype)
+    shared = 0
+    if prefix is not None:
+        limit = min(len(prefix.ids), len(prompt_ids) - 1)
+        while shared < limit and prefix.ids[shared] == prompt_ids[shared]:
+            shared += 1
+        for dst, src in zip(cache.k + cache.v, prefix.cache.k + prefix.cache.v, strict=True):
+            dst[:, :, :shared] = src[:, :, :shared]
+        cache.pos = shared
+    rest = torch.tensor([prompt_ids[shared:]], device=device)
+    return cache, model(rest, cache=cache, last_only=True).logits[:, -1]
+
+
+@torch.inference_mode()
+def sample_many(
+    model: Llama,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    seeds: list[int],
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram: int = 0,
+    eos_ids: Iterable[int] = (),
+    done: Callable[[list[int]], bool] | None = None,
+    prefix: Prefilled | None = None,
+    device: str | torch.device = "cpu",
+) -> list[list[int]]:
+    """One continuation of the prompt per seed, decoded together: the prompt is prefilled once (after the
+    positions it shares with `prefix`), then every step feeds one token per unfinished row, so the weights
+    are read once for all of them. Row i samples as `generate(..., seed=seeds[i])` does (its own generator
+    and repetition guard); a batched matmul may round differently, so a row can differ from `generate`'s
+    where two tokens are nearly tied. A row ends at an eos id, when `done(its ids)` says so, or at the
+    budget."""
+    if not prompt_ids or not seeds:
+        raise ValueError("sample_many needs at least one prompt token and one seed")
+    check_sampling(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        repetition_penalty=repetition_penalty, no_repeat_ngram=no_repeat_ngram,
+    )  # fmt: skip
+    model.eval()
+    prompt_ids, max_new_tokens = fit_prompt(list(prompt_ids), max_new_tokens, model.cfg.seq_len)
+    one, logits = _start(model, prompt_ids, len(prompt_ids) + max_new_tokens, prefix, device)
+    n = len(seeds)
+    cache = KVCache([k.repeat(n, 1, 1, 1) for k in one.k], [v.repeat(n, 1, 1, 1) for v in one.v], one.pos)
+    logits = logits.expand(n, -1)
+    stop = set(eos_ids)
+    gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
+    guards = [RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop) for _ in seeds]
+    out: list[list[int]] = [[] for _ in seeds]
+    live = list(range(len(seeds)))  # the rows still decoding, in cache order
+    for _ in range(max_new_tokens):
+        feed, keep = [], []
+        for row, i in enumerate(live):
+            nxt = sample_next(
+                guards[i].apply(logits[row : row + 1].cpu()), temperature, top_k, top_p, gens[i]
+            )
+            token = int(nxt.item())
+            out[i].append(token)
+            if token in stop or (done is not None and done(out[i])):
+                continue
+            guards[i].push(token)
+            feed.append(token)
+            keep.append(row)
+        if not keep:
+            break
+        if len(keep) < len(live):  # finished rows leave the batch
+            idx = torch.tensor(keep, device=device)
+            cache = KVCache(
+                [k.index_select(0, idx) for k in cache.k],
+                [v.index_select(0, idx) for v in cache.v],
+                cache.pos,
+            )
+            live = [live[r] for r in keep]
+        logits = model(torch.tensor(feed, device=device).view(-1, 1), cache=cache).logits[:, -1]
+    return out

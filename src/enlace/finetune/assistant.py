@@ -78,6 +78,34 @@ def decoding(name: str, sampler: dict[str, Any]) -> dict[str, Any]:
     return {**sampler, "seed": int(m.group(1))}
 
 
+def ended_reply(a: Assistant, ids: list[int]) -> Reply | None:
+    """The reply when `ids` end it (a stop id last, or a stop string: cut before it); None while it goes on."""
+    if ids and ids[-1] in a.stop_ids:
+        return Reply(a.tok.decode(ids, skip_special_tokens=True).strip(), len(ids), True)
+    if a.stops:
+        text, hit = cut_at_stop(a.tok.decode(ids, skip_special_tokens=True), list(a.stops))
+        if hit:
+            return Reply(text.strip(), len(ids), True)
+    return None
+
+
+def replies(
+    a: Assistant, prompt: str, sampling: dict[str, Any], seeds: list[int], max_new_tokens: int, prefix=None
+) -> list[Reply]:
+    """One answer per seed to one user message, decoded together (generate.sample_many; `prefix`, a
+    generate.Prefilled, spares the prefill of the ids the prompt shares with it). Each ends as `reply`'s."""
+    from ..generate import sample_many
+
+    msgs: list[Message] = [{"role": "user", "content": prompt}]
+    settings = {k: v for k, v in sampling.items() if k != "seed"}
+    out = sample_many(a.model, a.encode(msgs), max_new_tokens, seeds, eos_ids=a.stop_ids,
+                      done=lambda ids: ended_reply(a, ids) is not None, prefix=prefix, **settings)  # fmt: skip
+    return [
+        ended_reply(a, ids) or Reply(a.tok.decode(ids, skip_special_tokens=True).strip(), len(ids), False)
+        for ids in out
+    ]
+
+
 def reply(a: Assistant, prompt: str, sampling: dict[str, Any], max_new_tokens: int) -> Reply:
     """One answer to one user message; it ends at a stop id or a stop string (cut before it), else at the
     budget."""

@@ -160,11 +160,13 @@ def _judge(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
+    from ..generate import prefill
     from ..io import sha256_file
     from ..load.preamble import load_spec
-    from .assistant import decoding, load_assistant, reply
+    from .assistant import load_assistant, replies
     from .chat import CHAT_SAMPLING
     from .distill import COPY_SHARE, DATA_FILE, LENGTH, distill, read_distill_questions, write_distilled
+    from .judge import interleave
 
     for flag, value in (
         ("--samples", args.samples),
@@ -175,16 +177,25 @@ def _distill(args: argparse.Namespace) -> int:
             raise EnlaceError(f"enlace distill: {flag} {value}: must be at least 1")
     spec_path, questions_path = Path(args.assistant), Path(args.questions)
     spec = load_spec(spec_path)  # a bad spec or question file fails before the model loads
-    questions = read_distill_questions(questions_path)
+    # Kinds in turn (as the judge takes its questions): a run stopped early, or --limit, covers every kind.
+    questions = interleave(read_distill_questions(questions_path))
     questions = questions[: args.limit] if args.limit else questions
     a = load_assistant(spec_path)
     log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
 
-    def answer(question: str, seed: int):  # the serving default sampler, one fixed seed a sample
-        return reply(a, question, decoding(f"sample-{seed}", CHAT_SAMPLING), args.max_new_tokens)
+    # The serving default sampler, seeds 0 to SAMPLES-1: a question's samples are decoded together (the
+    # weights read once a step for all of them), after the preamble's keys and values, computed once.
+    prefix = prefill(a.model, a.encode([{"role": "user", "content": ""}]))
+    drawn: dict[str, list] = {}
+
+    def answer(question: str, seed: int):
+        if question not in drawn:
+            drawn.clear()
+            seeds = list(range(args.samples))
+            drawn[question] = replies(a, question, CHAT_SAMPLING, seeds, args.max_new_tokens, prefix)
+        return drawn[question][seed]
 
     examples = [e.assistant for e in spec.examples]
-    records, rows = distill(answer, questions, args.samples, examples, args.keep, log)
     provenance = {
         "licence": spec.licence or "Gemma Terms of Use",
         "generated_by": a.what,
@@ -192,10 +203,17 @@ def _distill(args: argparse.Namespace) -> int:
         "questions": str(questions_path), "questions_sha256": sha256_file(questions_path),
         "questions_used": len(questions), "samples": args.samples, "seeds": list(range(args.samples)),
         "sampler": CHAT_SAMPLING, "max_new_tokens": args.max_new_tokens, "kept_per_question": args.keep,
+        "decoding": "a question's samples decoded together, after the preamble's keys and values "
+                    "(generate.sample_many)",
         "filter": {"length_words": LENGTH, "copy_share": COPY_SHARE,
                    "facts": "kept when more than half of the samples give the same short answer"},
     }  # fmt: skip
-    c = write_distilled(Path(args.out), records, rows, provenance)
+
+    def save(records: list, rows: list) -> None:  # after every question: a stopped run keeps its answers
+        write_distilled(Path(args.out), records, rows, provenance | {"questions_answered": len(rows)})
+
+    records, rows = distill(answer, questions, args.samples, examples, args.keep, log, save)
+    c = write_distilled(Path(args.out), records, rows, provenance | {"questions_answered": len(rows)})
     for kind in ("fact", "advice", "writing"):
         k = c[kind]
         print(f"{kind}: {k['with_answer']} of {k['questions']} questions kept an answer ({k['kept']} kept)")
@@ -323,7 +341,7 @@ def _register_distill(sub: argparse._SubParsersAction) -> None:
         "--keep", type=int, default=1, help="distinct answers kept per question at most (default 1)"
     )
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=128)
-    p.add_argument("--limit", type=int, default=0, help="the first N questions only (0: all)")
+    p.add_argument("--limit", type=int, default=0, help="the first N questions only, kinds in turn (0: all)")
     p.add_argument("--out", default="runs/distill", help="output folder (default runs/distill)")
     p.add_argument("--verbose", action="store_true", help="a line per question")
     p.set_defaults(handler=_distill)

@@ -168,10 +168,11 @@ def distill(
     examples: Sequence[str] = (),
     per_question: int = 1,
     log: Callable[[str], None] = lambda s: None,
+    progress: Callable[[list[dict[str, Any]], list[dict[str, Any]]], None] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Each question answered `samples` times (`answer(question, seed)`, seeds 0 to samples-1) and filtered:
     the records kept (at most `per_question` distinct answers a question, in seed order) and every question's
-    verdicts."""
+    verdicts. `progress` is given both after every question (a run stopped early keeps what it drew)."""
     if samples < 1 or per_question < 1:
         raise DataError(
             f"distill: samples ({samples}) and answers kept a question ({per_question}) must be >= 1"
@@ -188,6 +189,8 @@ def distill(
                 records.append(to_record(q, text, i))
         rows.append(row)
         log(f"distill {n}/{len(questions)} {q.id}: kept {len(texts)} of {samples}")
+        if progress is not None:
+            progress(records, rows)
     return records, rows
 
 
