@@ -38,8 +38,45 @@ def test_products_match_torch(rows, width):
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
     codes = torch.randint(-127, 128, (130, width), dtype=torch.int8, generator=g)
     scales = torch.rand(130, generator=g)
-    ref8 = (x.double() @ codes.double().T) * scales.double()
-    assert torch.allclose(torch.ops.enlace.linear_i8(x, codes, scales).double(), ref8, rtol=1e-5, atol=1e-4)
+    assert torch.equal(torch.ops.enlace.linear_i8(x, codes, scales), int16_reference(x, codes, scales))
+
+
+def int16_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What linear_i8 promises, step by step in torch: each activation row as int16 with its own scale
+    (round half to even), the integer dot products exactly, then float32 scaling in the kernel's order."""
+    amax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv).clamp(-32767, 32767).double()
+    total = (q @ codes.double().T).float()  # exact in float64 (far below 2^53), then rounded once
+    return total * (amax / 32767.0) * scales
+
+
+def test_int8_products_stay_near_the_float_ones():
+    # int16 activations cost at most half a step of 1/32767 of a row's largest value per element.
+    g = torch.Generator().manual_seed(7)
+    x, codes = torch.randn(4, 640, generator=g), torch.randint(-127, 128, (300, 640), dtype=torch.int8, generator=g)
+    scales = torch.rand(300, generator=g)
+    exact = (x.double() @ codes.double().T) * scales.double()
+    bound = codes.double().abs().sum(1) * scales.double() * (x.abs().amax(1, keepdim=True).double() / 65534) + 1e-4
+    assert ((torch.ops.enlace.linear_i8(x, codes, scales).double() - exact).abs() <= bound).all()
+
+
+def test_int8_products_of_long_rows_are_summed_in_chunks_without_overflow():
+    # Past 4,096 columns a 32-bit lane could overflow: the kernel sums chunks into 64-bit totals.
+    x = torch.full((1, 9000), 3.0)
+    x[0, 0] = 3.0  # every activation is the row's largest: each becomes 32767
+    codes = torch.full((2, 9000), 127, dtype=torch.int8)
+    codes[1] = -127
+    got = torch.ops.enlace.linear_i8(x, codes, torch.ones(2))
+    assert torch.equal(got, int16_reference(x, codes, torch.ones(2)))
+    assert got[0, 0].item() == pytest.approx(3.0 * 127 * 9000, rel=1e-6) and got[0, 1] == -got[0, 0]
+
+
+def test_a_nan_activation_reaches_an_int8_product():
+    x = torch.randn(2, 64)
+    x[1, 5] = float("nan")
+    y = torch.ops.enlace.linear_i8(x, torch.ones(8, 64, dtype=torch.int8), torch.ones(8))
+    assert y[1].isnan().all() and not y[0].isnan().any()
 
 
 def test_leading_dimensions_and_dtype_are_kept():

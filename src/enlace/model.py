@@ -16,6 +16,7 @@ the computation.
 from __future__ import annotations
 
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -64,6 +65,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros that take memory only where written, on the CPU.
+
+    A cache is sized for the longest sequence a slot may hold, and most slots never fill it: torch.zeros
+    writes every byte (so every page counts in resident memory from the start), where a fresh anonymous
+    mapping reads as zeros and the kernel gives it a page only when one is first written. The mapping lives
+    as long as the tensor does. Elsewhere, plain torch.zeros."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or nbytes < mmap.PAGESIZE:
+        return torch.zeros(shape, device=device, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+
+
 @dataclass
 class KVCache:
     """Preallocated keys and values per layer; `pos` is how many positions are filled."""
@@ -77,8 +91,8 @@ class KVCache:
         cls, cfg: ModelConfig, batch: int, max_len: int, device: torch.device, dtype: torch.dtype
     ) -> KVCache:
         shape = (batch, cfg.n_kv_head, max_len, cfg.head_dim)
-        k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
-        v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        k = [zeros_on_touch(shape, dtype, device) for _ in range(cfg.n_layer)]
+        v = [zeros_on_touch(shape, dtype, device) for _ in range(cfg.n_layer)]
         return cls(k, v)
 
     @property
