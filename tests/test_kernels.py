@@ -54,10 +54,16 @@ def int16_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) 
 def test_int8_products_stay_near_the_float_ones():
     # int16 activations cost at most half a step of 1/32767 of a row's largest value per element.
     g = torch.Generator().manual_seed(7)
-    x, codes = torch.randn(4, 640, generator=g), torch.randint(-127, 128, (300, 640), dtype=torch.int8, generator=g)
+    x, codes = (
+        torch.randn(4, 640, generator=g),
+        torch.randint(-127, 128, (300, 640), dtype=torch.int8, generator=g),
+    )
     scales = torch.rand(300, generator=g)
     exact = (x.double() @ codes.double().T) * scales.double()
-    bound = codes.double().abs().sum(1) * scales.double() * (x.abs().amax(1, keepdim=True).double() / 65534) + 1e-4
+    bound = (
+        codes.double().abs().sum(1) * scales.double() * (x.abs().amax(1, keepdim=True).double() / 65534)
+        + 1e-4
+    )
     assert ((torch.ops.enlace.linear_i8(x, codes, scales).double() - exact).abs() <= bound).all()
 
 
