@@ -1,4 +1,4 @@
-"""The CPU allocator setting of setup_runtime: freed tensors' memory is reused, not faulted in again."""
+"""The runtime's memory and thread settings: freed memory reused, caches resident only where written, and OpenMP teams handed back."""
 
 import platform
 import resource
@@ -49,3 +49,13 @@ def test_a_kv_cache_takes_memory_only_where_it_is_written():
         t[:, :, :128] = 1.0  # one slot's first 128 positions
     assert _resident_mib() - before < 16
     assert sum(t.sum().item() for t in cache.k) == 4 * 2 * 128 * 64
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="libgomp's teams, found through /proc")
+def test_the_openmp_team_is_handed_back_and_started_again():
+    from enlace.runtime import release_openmp_team
+
+    x = torch.randn(4096, 512)
+    before = (x @ x.T).sum()  # a parallel region: this thread has a team
+    assert release_openmp_team()
+    assert torch.equal((x @ x.T).sum(), before)  # a new team serves the next region, same result

@@ -29,6 +29,7 @@ import torch
 
 from ..generate import RepeatGuard, sample_next
 from ..model import KVCache, SlotCache
+from ..runtime import release_openmp_team
 from .loader import Served
 from .prefix import PrefixCache
 
@@ -215,6 +216,7 @@ class Engine:
         self.running.add(job)
         with self._wake:
             if self._thread is None:
+                release_openmp_team()  # the load's team: the compute thread's must be the only one
                 self._thread = threading.Thread(target=self._run, name="enlace-compute", daemon=True)
                 self._thread.start()
             self._incoming.append(job)
