@@ -381,8 +381,50 @@ def _sample_sorted(sorted_p: torch.Tensor, top_p: float, generator: torch.Genera
     return torch.multinomial(sorted_p, 1, generator=generator)
 
 
+def _grams(ids: list[int], n: int) -> Iterator[tuple[int, ...]]:
+    return (tuple(ids[i : i + n]) for i in range(len(ids) - n + 1))
+
+
+class CopyTable:
+    """What a reply may not copy verbatim beyond n tokens: a preamble assistant's example answers.
+
+    A base aligned in context (load/preamble.py) tends to answer a writing task with the example answer
+    nearest to it, word for word. `follows` maps every n tokens in a row of an example answer to the tokens
+    that came next there; RepeatGuard bans those after the reply's own last n tokens, so a copy stops at n
+    tokens (and may go on only with other words). Built once per assistant; each step costs one lookup.
+
+    The user's words are not the examples': an (n+1)-gram the prompt holds more often than the preamble alone
+    does (the question restates part of an example: "un mensaje para avisar a ...") is allowed (`allowed`).
+    """
+
+    def __init__(self, n: int, answers: Iterable[list[int]], preamble_ids: list[int]):
+        if n < 1:
+            raise ValueError(f"a copy table needs n >= 1, not {n}")
+        self.n = n
+        self.follows: dict[tuple[int, ...], set[int]] = {}
+        for ids in answers:
+            for gram in _grams(ids, n + 1):
+                self.follows.setdefault(gram[:-1], set()).add(gram[-1])
+        self.grams = {k + (t,) for k, ts in self.follows.items() for t in ts}
+        self.preamble_counts = self._counts(preamble_ids)
+
+    def _counts(self, ids: list[int]) -> dict[tuple[int, ...], int]:
+        """How often each banned (n+1)-gram occurs in `ids`."""
+        out: dict[tuple[int, ...], int] = {}
+        for gram in _grams(ids, self.n + 1):
+            if gram in self.grams:
+                out[gram] = out.get(gram, 0) + 1
+        return out
+
+    def allowed(self, prompt_ids: list[int]) -> set[tuple[int, ...]]:
+        """The banned (n+1)-grams this prompt's own text (beyond the preamble) holds: copying them is
+        restating the user, not the examples. One pass over the prompt, once per reply."""
+        counts = self._counts(prompt_ids)
+        return {g for g, c in counts.items() if c > self.preamble_counts.get(g, 0)}
+
+
 class RepeatGuard:
-    """Discourages repeating what this reply already said.
+    """Discourages repeating what this reply already said, and copying a preamble's example answers.
 
     Only the generated tokens count, not the prompt: a chat prompt holds the template's markers and the
     user's words, and penalising those would make the model avoid ending its turn or quoting the question.
@@ -390,17 +432,28 @@ class RepeatGuard:
     - repetition_penalty (Keskar et al. 2019, CTRL): the logit of every token already generated is divided
       by the penalty when positive, multiplied when negative.
     - no_repeat_ngram n: a token that would complete an n-gram already generated is banned outright.
+    - copy (a CopyTable of n, given the prompt): a token that would make the reply's last n+1 tokens a run
+      of an example answer is banned outright (unless the prompt's own words hold that run).
     """
 
-    def __init__(self, penalty: float = 1.0, ngram: int = 0, keep: Iterable[int] = ()):
+    def __init__(
+        self,
+        penalty: float = 1.0,
+        ngram: int = 0,
+        keep: Iterable[int] = (),
+        copy: CopyTable | None = None,
+        prompt_ids: Iterable[int] = (),
+    ):
         self.penalty, self.ngram, self.keep = penalty, ngram, set(keep)
         self.ids: list[int] = []
         self.seen: set[int] = set()
         self.follows: dict[tuple[int, ...], set[int]] = {}  # (n-1)-gram -> tokens that followed it
+        self.copy = copy
+        self.allowed = copy.allowed(list(prompt_ids)) if copy is not None else set()
 
     @property
     def active(self) -> bool:
-        return self.penalty != 1.0 or self.ngram > 0
+        return self.penalty != 1.0 or self.ngram > 0 or self.copy is not None
 
     def push(self, token: int) -> None:
         self.ids.append(token)
@@ -425,6 +478,11 @@ class RepeatGuard:
             banned = self.follows.get(recent, set()) - self.keep
             if banned:
                 logits[0, torch.tensor(sorted(banned))] = float("-inf")
+        if self.copy is not None and len(self.ids) >= self.copy.n:
+            suffix = tuple(self.ids[len(self.ids) - self.copy.n :])
+            banned = {t for t in self.copy.follows.get(suffix, ()) if suffix + (t,) not in self.allowed}
+            if banned - self.keep:
+                logits[0, torch.tensor(sorted(banned - self.keep))] = float("-inf")
         return logits
 
 
@@ -459,8 +517,10 @@ def generate(
     seed: int = 0,
     eos_ids: Iterable[int] = (),
     device: str | torch.device = "cpu",
+    copy: CopyTable | None = None,
 ) -> Iterator[int]:
-    """Stream new token ids one at a time. The prompt is prefilled once; each step feeds one token."""
+    """Stream new token ids one at a time. The prompt is prefilled once; each step feeds one token.
+    copy: a preamble assistant's example answers, copied at most copy.n tokens in a row (RepeatGuard)."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token")
     check_sampling(
@@ -473,7 +533,7 @@ def generate(
     cache = KVCache.empty(model.cfg, 1, len(prompt_ids) + max_new_tokens, torch.device(device), dtype)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stop = set(eos_ids)
-    guard = RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop)
+    guard = RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop, copy=copy, prompt_ids=prompt_ids)
     # The head on the last position only: a prefill needs no other logits (for a 262k vocabulary and a long
     # prompt the rest would be most of its work).
     logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_only=True).logits[:, -1]
@@ -539,6 +599,7 @@ def sample_many(
     done: Callable[[list[int]], bool] | None = None,
     prefix: Prefilled | None = None,
     device: str | torch.device = "cpu",
+    copy: CopyTable | None = None,
 ) -> list[list[int]]:
     """One continuation of the prompt per seed, decoded together: the prompt is prefilled once (after the
     positions it shares with `prefix`), then every step feeds one token per unfinished row, so the weights
@@ -560,7 +621,7 @@ def sample_many(
     logits = logits.expand(n, -1)
     stop = set(eos_ids)
     gens = [torch.Generator(device="cpu").manual_seed(s) for s in seeds]
-    guards = [RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop) for _ in seeds]
+    guards = [RepeatGuard(repetition_penalty, no_repeat_ngram, stop, copy, prompt_ids) for _ in seeds]
     out: list[list[int]] = [[] for _ in seeds]
     live = list(range(len(seeds)))  # the rows still decoding, in cache order
     for _ in range(max_new_tokens):

@@ -94,6 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     stream = loaded.stream(ids)
     sample = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    # A preamble assistant's guard against copying its examples, as `enlace serve` and `enlace judge` apply it.
+    sample["copy"] = loaded.copy
     for token in generate(
         loaded.model, ids, args.max_new_tokens, eos_ids=loaded.eos_ids, device=args.device, **sample
     ):

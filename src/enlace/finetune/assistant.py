@@ -32,6 +32,7 @@ class Assistant:
     stops: tuple[str, ...] = ()  # strings that end an answer (a preamble's next turn)
     stop_ids: tuple[int, ...] = ()  # ids that end it (<eos>, <end_of_turn>, <|im_end|>, ...)
     what: str = ""  # what answers: base, preamble or adapter
+    copy: Any = None  # a preamble's example answers, never copied beyond copy.n tokens (generate.CopyTable)
 
 
 def from_loaded(
@@ -54,7 +55,7 @@ def load_assistant(spec: str | Path | None = None, model_dir: str | Path | None 
         tok = loaded.hf_tokenizer("enlace judge")
         return Assistant(
             loaded.name, loaded.model, tok, loaded.chat_template, loaded.stops, loaded.eos_ids,
-            f"{Path(loaded.preamble.base).name}, preamble {spec} (no adapter)",
+            f"{Path(loaded.preamble.base).name}, preamble {spec} (no adapter)", loaded.copy,
         )  # fmt: skip
     if model_dir is None:
         raise EnlaceError("an assistant needs a spec or a model folder")
@@ -99,7 +100,8 @@ def replies(
     msgs: list[Message] = [{"role": "user", "content": prompt}]
     settings = {k: v for k, v in sampling.items() if k != "seed"}
     out = sample_many(a.model, a.encode(msgs), max_new_tokens, seeds, eos_ids=a.stop_ids,
-                      done=lambda ids: ended_reply(a, ids) is not None, prefix=prefix, **settings)  # fmt: skip
+                      done=lambda ids: ended_reply(a, ids) is not None, prefix=prefix, copy=a.copy,
+                      **settings)  # fmt: skip
     return [
         ended_reply(a, ids) or Reply(a.tok.decode(ids, skip_special_tokens=True).strip(), len(ids), False)
         for ids in out
@@ -113,7 +115,7 @@ def reply(a: Assistant, prompt: str, sampling: dict[str, Any], max_new_tokens: i
 
     ids: list[int] = []
     msgs: list[Message] = [{"role": "user", "content": prompt}]
-    for t in generate(a.model, a.encode(msgs), max_new_tokens, eos_ids=a.stop_ids, **sampling):
+    for t in generate(a.model, a.encode(msgs), max_new_tokens, eos_ids=a.stop_ids, copy=a.copy, **sampling):
         ids.append(t)
         if t in a.stop_ids:
             break

@@ -16,7 +16,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -30,6 +30,9 @@ from ..text import ByteCodec, SentencePieceCodec
 from .locate import ModelRef, base_of_lora_run, check_model_folder, locate
 from .preamble import PreambleSpec, load_spec
 from .run import RunStream, load_trained_model, run_codec
+
+if TYPE_CHECKING:
+    from ..generate import CopyTable
 
 __all__ = [
     "Loaded",
@@ -67,6 +70,8 @@ class Loaded:
     keep: tempfile.TemporaryDirectory | None = field(default=None, repr=False)
     # An assistant spec's preamble (load/preamble.py): it renders the chat, and its stop strings end an answer.
     preamble: PreambleSpec | None = None
+    # Its example answers, copied at most `copy_guard` tokens in a row by every reply (None: no guard).
+    copy: CopyTable | None = None
 
     @property
     def context(self) -> int:
@@ -173,6 +178,7 @@ def _open_preamble(ref: ModelRef, device: str) -> Loaded:
         raise ModelError(f"{ref.path}: base {spec.base} is not a Hugging Face model folder")
     loaded = _open_hf(base, base.path, device, f"{spec.base}, aligned in context by {ref.path} (no adapter)")
     loaded.ref, loaded.preamble, loaded.generation = ref, spec, CHAT
+    loaded.copy = spec.copy_table(loaded.tokenizer)
     return loaded
 
 

@@ -11,13 +11,16 @@ stop strings; `encode` renders messages to prompt ids with the base's own tokeni
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, StrictInt, ValidationError, field_validator
 
 from ..config.base import Strict
 from ..errors import ConfigError, EnlaceError
+
+if TYPE_CHECKING:
+    from ..generate import CopyTable
 
 CONTENT = "{content}"
 
@@ -39,6 +42,9 @@ class PreambleSpec(Strict):
     examples: list[Turn] = Field(min_length=1)
     stop: list[str] = Field(min_length=1)  # strings that end an answer (the start of the next turn)
     licence: str = ""  # what the answers are under (a Gemma base's: the Gemma Terms of Use)
+    # An answer may copy at most this many tokens in a row of an example answer (generate.CopyTable): the next
+    # token of such a copy is never sampled. 0: off.
+    copy_guard: StrictInt = Field(default=0, ge=0)
 
     @field_validator("user", "assistant")
     @classmethod
@@ -86,6 +92,24 @@ class PreambleSpec(Strict):
         if None in start:
             raise EnlaceError(f"assistant {self.name}: the tokenizer has no start token {self.start!r}")
         return start + tok.encode(self.render(messages), add_special_tokens=False)
+
+    def copy_table(self, tok: Any) -> CopyTable | None:
+        """The example answers' runs of copy_guard + 1 tokens, tokenised as the model writes them (after the
+        answer prefix, in context; not the turn's end, which every answer shares); None when copy_guard is 0."""
+        from ..generate import CopyTable
+
+        if self.copy_guard == 0:
+            return None
+        head = tok.encode(self.answer_prefix, add_special_tokens=False)
+        answers = []
+        for e in self.examples:
+            text = self.assistant.split(CONTENT)[0] + e.assistant
+            ids = tok.encode(text, add_special_tokens=False)
+            shared = 0  # the ids the answer prefix alone has: a merge across its end stays with the answer
+            while shared < min(len(head), len(ids)) and head[shared] == ids[shared]:
+                shared += 1
+            answers.append(ids[shared:])
+        return CopyTable(self.copy_guard, answers, self.encode(tok, []))
 
     def stop_ids(self, tok: Any) -> tuple[int, ...]:
         """Ids that end an answer as well as the stop strings: the base's own end-of-text ids."""

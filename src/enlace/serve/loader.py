@@ -14,6 +14,7 @@ import torch
 
 from ..config.extra import GenerationConfig
 from ..errors import EnlaceError
+from ..generate import CopyTable
 from ..hf.tokenizer import Message
 from ..load import Loaded, TextStream, locate, model_name
 from ..paths import DEFAULT_ASSISTANT
@@ -39,6 +40,7 @@ class Served:
     stops: tuple[
         str, ...
     ] = ()  # strings that end every answer besides the request's (a preamble's next turn)
+    copy: CopyTable | None = None  # a preamble's example answers, copied at most copy.n tokens in a row
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, name: str) -> Served:
@@ -46,7 +48,7 @@ class Served:
             name=name, source=loaded.source, model=loaded.model, context=loaded.context,
             eos_ids=loaded.eos_ids, encode_text=loaded.encode, encode_chat=loaded.chat_template,
             stream=loaded.stream, weights=loaded.weights, device=loaded.device, generation=loaded.generation,
-            token_text=_token_text(loaded), stops=loaded.stops,
+            token_text=_token_text(loaded), stops=loaded.stops, copy=loaded.copy,
         )  # fmt: skip
 
 
