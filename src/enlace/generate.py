@@ -464,25 +464,29 @@ class RepeatGuard:
             self.follows.setdefault(tuple(self.ids[-n:-1]), set()).add(token)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """Adjusted copy of last-position logits [1, V]."""
+        """Last-position logits [1, V], adjusted (a copy) where a rule applies at this step; as given (no
+        copy: 1 MiB a token for Gemma's vocabulary) where none does."""
         if not self.active or not self.ids:
             return logits
-        logits = logits.float().clone()
-        if self.penalty != 1.0 and self.seen:
-            idx = torch.tensor(sorted(self.seen))
-            row = logits[0, idx]
-            logits[0, idx] = torch.where(row > 0, row / self.penalty, row * self.penalty)
+        banned: set[int] = set()
         if 0 < self.ngram <= len(self.ids) + 1:
             # The last n-1 tokens, then every token that followed them before (n = 1: every token seen).
             recent = tuple(self.ids[len(self.ids) - self.ngram + 1 :])
-            banned = self.follows.get(recent, set()) - self.keep
-            if banned:
-                logits[0, torch.tensor(sorted(banned))] = float("-inf")
+            banned |= self.follows.get(recent, set())
         if self.copy is not None and len(self.ids) >= self.copy.n:
             suffix = tuple(self.ids[len(self.ids) - self.copy.n :])
-            banned = {t for t in self.copy.follows.get(suffix, ()) if suffix + (t,) not in self.allowed}
-            if banned - self.keep:
-                logits[0, torch.tensor(sorted(banned - self.keep))] = float("-inf")
+            banned |= {t for t in self.copy.follows.get(suffix, ()) if suffix + (t,) not in self.allowed}
+        banned -= self.keep
+        penalise = self.penalty != 1.0 and bool(self.seen)
+        if not banned and not penalise:
+            return logits
+        logits = logits.float().clone()
+        if penalise:
+            idx = torch.tensor(sorted(self.seen))
+            row = logits[0, idx]
+            logits[0, idx] = torch.where(row > 0, row / self.penalty, row * self.penalty)
+        if banned:
+            logits[0, torch.tensor(sorted(banned))] = float("-inf")
         return logits
 
 
