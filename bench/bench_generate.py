@@ -57,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     rounds = int((argv or sys.argv[1:] or [os.environ.get("BENCH_ROUNDS", "3")])[0])
     folder = import_smollm2(DEFAULT_OUT)
     ours: dict[str, torch.nn.Module] = {}
-    # bf16 decode weights need oneDNN's bf16 ISA (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): where this CPU lacks
-    # it, `enlace generate --weights bf16` refuses, so the benchmark leaves bf16 out and says why.
+    # transformers' bf16 needs oneDNN's bf16 ISA (AVX-512 BW/VL/DQ or AVX-NE-CONVERT): where this CPU lacks it,
+    # its bf16 would be emulated (ENLACE's own kernels decode bf16 weights there), so bf16 is left out.
     missing = onednn_bf16_missing()
     kinds = ("fp32", "int8") if missing else ("fp32", "bf16", "int8")
     if missing:

@@ -275,8 +275,11 @@ def measure(servers: dict[str, Server], long_prompt: str, sizes: Sizes, counter:
 
 
 def default_precisions() -> list[str]:
-    """The precisions this CPU runs natively: bf16 only where it has native bf16."""
-    return ["fp32", *(["bf16"] if cpu_bf16_native() else []), "int8"]
+    """fp32, bf16 and int8; bf16 where the CPU has native bf16 or ENLACE's kernels are built (they decode
+    bf16 weights with fp32 arithmetic where oneDNN has no bf16 kernels, as llama.cpp's BF16 does there)."""
+    from enlace import kernels
+
+    return ["fp32", *(["bf16"] if cpu_bf16_native() or kernels.available() else []), "int8"]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

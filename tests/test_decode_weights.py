@@ -1,7 +1,7 @@
 """Decode weights: bf16 (prepacked) and int8 weight-only models give the fp32 model's outputs within their
 precision, decode the same way, and `auto` follows the CPU's native bf16. bf16 needs oneDNN's bf16 ISA
-(AVX-512 BW/VL/DQ or AVX-NE-CONVERT): where this CPU lacks it, the tests check the one-line refusal
-instead, and the refusal is also checked everywhere with an AVX2-only CPU's flags passed in."""
+(AVX-512 BW/VL/DQ or AVX-NE-CONVERT): where this CPU lacks it, bf16 weights decode through ENLACE's
+kernels (Bf16Linear, the rest fp32), and without those the one-line refusal is checked."""
 
 import pytest
 import torch
@@ -10,7 +10,15 @@ import torch.nn.functional as F
 from enlace import kernels, runtime
 from enlace.config.model import ModelConfig
 from enlace.errors import HardwareError
-from enlace.generate import Int8Linear, PackedLinear, decode_weights, generate, resolve_decode_weights
+from enlace.generate import (
+    Bf16Embedding,
+    Bf16Linear,
+    Int8Linear,
+    PackedLinear,
+    decode_weights,
+    generate,
+    resolve_decode_weights,
+)
 from enlace.model import Llama
 
 CFG = ModelConfig(name="t", vocab_size=300, n_layer=2, n_head=4, n_kv_head=2, d_model=64, seq_len=64)
@@ -32,20 +40,35 @@ def model() -> Llama:
 
 
 @needs_onednn
+@pytest.mark.skipif(not BF16_HERE, reason="oneDNN has no bf16 kernels on this CPU (Bf16Linear's tests run)")
 def test_packed_linear_equals_a_bf16_linear():
-    if not BF16_HERE:  # this CPU's path: refused up front, with the instruction sets it lacks
-        with pytest.raises(HardwareError, match=REFUSED):
-            decode_weights(model(), "bf16")
-        return
     lin = torch.nn.Linear(64, 96, bias=False)
     x = torch.randn(5, 3, 64).bfloat16()
     assert torch.equal(PackedLinear(lin)(x), F.linear(x, lin.weight.bfloat16()))
 
 
 @needs_onednn
-def test_bf16_decode_is_refused_on_an_avx2_cpu_and_allowed_with_avx512():
+def test_bf16_on_an_avx2_cpu_takes_enlaces_kernels_and_is_refused_without_them(monkeypatch):
+    # With the kernels (built on every machine make test runs on): the linear weights alone in bf16, one
+    # copy of the tied head, the rest fp32, and the same logits as fp32 weights rounded to bf16.
+    assert kernels.available()
+    m = decode_weights(model(), "bf16", flags=AVX2_CPU)
+    assert isinstance(m.lm_head, Bf16Linear) and isinstance(m.model.embed_tokens, Bf16Embedding)
+    assert m.layers_step is not None and next(m.parameters()).dtype == torch.float32
+    rounded = model()
+    with torch.no_grad():
+        for p in rounded.parameters():
+            if p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+    ids = [1, 2, 3, 4]
+    assert list(generate(m, ids, 8)) == list(generate(rounded, ids, 8))
+    # Without them (no compiler, or ENLACE_KERNELS=0): refused up front, saying what is missing.
+    monkeypatch.setitem(kernels._state, "ok", False)
+    monkeypatch.setitem(kernels._state, "why", "no C++ compiler")
     m = model()
-    with pytest.raises(HardwareError, match=REFUSED + r" this CPU lacks \(/proc/cpuinfo\); use"):
+    with pytest.raises(
+        HardwareError, match=REFUSED + r" this CPU lacks \(/proc/cpuinfo\), and ENLACE's kernels"
+    ):
         decode_weights(m, "bf16", flags=AVX2_CPU)
     assert next(m.parameters()).dtype == torch.float32  # refused before touching the model
     assert resolve_decode_weights("bf16", flags=AVX512_BF16_CPU) == "bf16"
@@ -65,18 +88,15 @@ def test_int8_linear_is_close_to_fp32():
 
 @pytest.mark.parametrize("weights,tol", [("bf16", 0.03), ("int8", 0.05)])
 def test_decode_weights_keep_the_logits(weights, tol):
-    if weights == "bf16" and not BF16_HERE:
-        with pytest.raises(HardwareError, match=REFUSED):
-            decode_weights(model(), weights)
-        return
     ref, low = model(), decode_weights(model(), weights)
     x = torch.randint(0, CFG.vocab_size, (1, 20))
     with torch.no_grad():
         a, b = ref(x).logits, low(x).logits.float()
-    assert low.lm_head.__class__ is (PackedLinear if weights == "bf16" else Int8Linear)
-    # Norms, embedding and so the KV cache: bf16, except for int8 on a CPU without native bf16 where ENLACE's
-    # kernels are built, which keeps them in fp32 (the int8 products take fp32 activations there).
-    fp32_rest = weights == "int8" and not BF16_HERE and kernels.available()
+    bf16_class = PackedLinear if BF16_HERE else Bf16Linear
+    assert low.lm_head.__class__ is (bf16_class if weights == "bf16" else Int8Linear)
+    # Norms, embedding and so the KV cache: bf16, except on a CPU without native bf16 where ENLACE's
+    # kernels are built, which keeps them in fp32 (their products take fp32 activations there).
+    fp32_rest = not BF16_HERE and kernels.available()
     assert next(low.parameters()).dtype == (torch.float32 if fp32_rest else torch.bfloat16)
     assert (a - b).norm() / a.norm() < tol
     # Generation runs on the converted model and is deterministic.

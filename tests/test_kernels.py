@@ -15,6 +15,7 @@ from enlace import kernels
 from enlace.config.model import ModelConfig
 from enlace.generate import Int8Linear, KernelLinear, decode_weights, generate
 from enlace.model import KVCache, Llama, SlotCache
+from enlace.runtime import onednn_bf16_missing
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux")
 
@@ -36,6 +37,10 @@ def test_products_match_torch(rows, width):
     got = torch.ops.enlace.linear_f32(x, w)
     assert got.shape == (rows, 130) and got.dtype == torch.float32
     assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5)
+    wb = w.bfloat16()  # bf16 weights are widened exactly: the reference is the same product in float64
+    got = torch.ops.enlace.linear_bf16(x, wb)
+    assert got.dtype == torch.float32
+    assert torch.allclose(got.double(), x.double() @ wb.double().T, rtol=1e-5, atol=1e-5)
     codes = torch.randint(-127, 128, (130, width), dtype=torch.int8, generator=g)
     scales = torch.rand(130, generator=g)
     assert torch.equal(torch.ops.enlace.linear_i8(x, codes, scales), int16_reference(x, codes, scales))
@@ -109,6 +114,10 @@ def test_bad_operands_are_refused_by_name():
         torch.ops.enlace.linear_f32(torch.randn(9, 16), torch.randn(4, 16))
     with pytest.raises(RuntimeError, match="activations of width 15 for a weight of width 16"):
         torch.ops.enlace.linear_f32(torch.randn(1, 15), torch.randn(4, 16))
+    with pytest.raises(
+        RuntimeError, match="linear_bf16: the weight must be a contiguous 2-D bfloat16 tensor"
+    ):
+        torch.ops.enlace.linear_bf16(torch.randn(1, 16), torch.randn(4, 16))
     with pytest.raises(RuntimeError, match="one float32 scale per output row"):
         torch.ops.enlace.linear_i8(torch.randn(1, 16), torch.zeros(4, 16, dtype=torch.int8), torch.ones(3))
 
@@ -208,7 +217,13 @@ def _decoder(cfg: ModelConfig, weights: str) -> Llama:
     return decode_weights(model, weights)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "int8"])
+# bf16 weights take the kernels where oneDNN has no bf16 kernels (an AVX2 CPU); elsewhere oneDNN decodes them.
+BF16_ON_KERNELS = pytest.param(
+    "bf16", marks=pytest.mark.skipif(onednn_bf16_missing() is None, reason="oneDNN decodes bf16 on this CPU")
+)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8", BF16_ON_KERNELS])
 @pytest.mark.parametrize("cfg", [CFG, GEMMA_LIKE], ids=["llama", "gemma3"])
 def test_the_layer_loop_in_one_call_equals_the_layers_in_python(cfg, weights):
     model = _decoder(cfg, weights)

@@ -31,7 +31,8 @@ KERNEL_CHOICES = ("auto", "torch")
 def resolve_decode_weights(
     weights: str, device: str | torch.device = "cpu", flags: frozenset[str] | None = None
 ) -> str:
-    """The decode weights `weights` means here; refuses bf16 on a CPU whose oneDNN cannot pack it.
+    """The decode weights `weights` means here; refuses bf16 on a CPU whose oneDNN cannot pack it, unless
+    ENLACE's kernels are built there (they read bf16 weights with fp32 activations).
 
     flags: the CPU's instruction-set flags (default: this machine's /proc/cpuinfo).
     """
@@ -44,8 +45,11 @@ def resolve_decode_weights(
         return "bf16" if cpu and cpu_bf16_native(flags) else "fp32"
     if weights == "bf16" and cpu and torch.backends.mkldnn.is_available():
         missing = onednn_bf16_missing(flags)
-        if missing:
-            raise HardwareError(f"decode weights bf16: {missing}; use --weights fp32 or int8")
+        if missing and not kernels.available():  # else ENLACE's kernels read the bf16 weights (Bf16Linear)
+            raise HardwareError(
+                f"decode weights bf16: {missing}, and ENLACE's kernels are unavailable "
+                f"({kernels.why_unavailable()}); use --weights fp32 or int8"
+            )
     return weights
 
 
@@ -93,7 +97,46 @@ class KernelLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-PREFILL_BLOCK = 1 << 22  # weights dequantised at once by an int8 prefill on fp32 activations (16 MiB)
+PREFILL_BLOCK = 1 << 22  # int8 or bf16 weights widened at once by a prefill on fp32 activations (16 MiB)
+
+
+class Bf16Linear(nn.Module):
+    """bf16 weights on a CPU without native bf16, everything else fp32: a decode step's products run
+    ENLACE's kernel, which widens each bf16 weight to fp32 exactly (a shift) before its multiply-add, so a
+    token reads half the bytes of fp32 weights; a prefill's rows go to torch's fp32 GEMM on the weight
+    widened a block of rows at a time. The weight is a buffer (the model's parameters stay fp32: its KV
+    cache follows them). `release`: the fp32 rows' pages read from a mapped file are given back as they
+    are converted."""
+
+    def __init__(self, linear: nn.Linear, release: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach()
+        weight = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
+        rows = max(1, PREFILL_BLOCK // self.in_features)
+        for r in range(0, self.out_features, rows):
+            weight[r : r + rows] = w[r : r + rows]
+            if release:
+                drop_mapped_pages([w[r : r + rows]])
+        self.register_buffer("weight", weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if decode_rows(x, self.in_features):
+            return torch.ops.enlace.linear_bf16(x, self.weight)
+        rows = max(1, PREFILL_BLOCK // self.in_features)
+        parts = [F.linear(x, self.weight[r : r + rows].float()) for r in range(0, self.out_features, rows)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+class Bf16Embedding(nn.Module):
+    """The input embedding of a tied model read from its bf16 head's rows, widened to fp32: one copy."""
+
+    def __init__(self, head: Bf16Linear):
+        super().__init__()
+        self.head = [head]  # a list: not a submodule, so its buffer is not listed twice
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head[0].weight[idx].float()
 
 
 class Int8Linear(nn.Module):
@@ -229,7 +272,9 @@ class KernelDecode:
                 mlp.up_proj,
                 mlp.down_proj,
             ):
-                if not (isinstance(lin, KernelLinear) or (isinstance(lin, Int8Linear) and lin.kernel)):
+                if not (
+                    isinstance(lin, KernelLinear | Bf16Linear) or (isinstance(lin, Int8Linear) and lin.kernel)
+                ):
                     return False
         return next(model.model.norm.parameters()).dtype == torch.float32
 
@@ -258,7 +303,9 @@ def decode_weights(
 
     fp32 keeps the weights; on a CPU where ENLACE's decode kernels build (kernel_choice "auto"; "torch"
     keeps torch's own) its linear layers decode through them. bf16 turns norms, embedding, activations and
-    KV cache into bf16 and every linear layer into a packed bf16 module; int8 does the same with int8
+    KV cache into bf16 and every linear layer into a packed bf16 module, except on a CPU whose oneDNN has
+    no bf16 kernels: there the linear weights alone become bf16 (Bf16Linear, one copy of a tied head) and
+    decode through ENLACE's kernels with the rest in fp32. int8 does the same as bf16 with int8
     linears, except on a CPU without native bf16 where the kernels build: there the rest stays fp32 and the
     int8 linears decode through ENLACE's kernel. Either way the model can no longer be trained. A tied model
     keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a second
@@ -268,17 +315,28 @@ def decode_weights(
     270M's 262k x 640 head and embedding were 63% of its fp32 bytes.
     flags: the CPU's instruction-set flags, as resolve_decode_weights takes them.
     """
-    from .runtime import cpu_bf16_native
+    from .runtime import cpu_bf16_native, onednn_bf16_missing
 
     weights = resolve_decode_weights(weights, device, flags)
     cpu = torch.device(device).type == "cpu"
+    # bf16 where oneDNN has no bf16 kernels (resolve_decode_weights allowed it: ENLACE's kernels are built).
+    bf16_own = (
+        weights == "bf16"
+        and cpu
+        and torch.backends.mkldnn.is_available()
+        and bool(onednn_bf16_missing(flags))
+    )
+    if bf16_own and kernel_choice != "auto":
+        raise HardwareError(
+            f"decode weights bf16, kernel_choice {kernel_choice!r}: {onednn_bf16_missing(flags)}"
+        )
     if head not in HEAD_WEIGHTS:
         raise ValueError(f"head weights {head!r}: choose from {', '.join(HEAD_WEIGHTS)}")
     if kernel_choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels {kernel_choice!r}: choose from {', '.join(KERNEL_CHOICES)}")
     if "int8" in (weights, head) and not cpu:
         raise ValueError("int8 decode weights use torch's CPU kernel; use bf16 on a GPU")
-    own = cpu and kernel_choice == "auto" and weights != "bf16" and kernels.available()
+    own = cpu and kernel_choice == "auto" and (weights != "bf16" or bf16_own) and kernels.available()
     if not own:
         # torch's kernels: q, k and v (gate and up) as one product each. ENLACE's kernels read the separate
         # weights in one pass instead, so no stacked copy is made (the loaded ones stay memory-mapped).
@@ -287,6 +345,11 @@ def decode_weights(
         int8_head(model.eval(), kernel=own)
     if weights == "fp32":
         return _with_layers_step(_replace_linears(model.eval(), KernelLinear)) if own else model
+    if bf16_own:  # the rest stays fp32: the kernels take fp32 activations
+        _replace_linears(model.eval(), lambda linear: Bf16Linear(linear, release=True))
+        if model.cfg.tie_embeddings and isinstance(model.lm_head, Bf16Linear):
+            model.model.embed_tokens = Bf16Embedding(model.lm_head)
+        return _with_layers_step(model)
     fp32_int8 = weights == "int8" and own and not cpu_bf16_native(flags)
     if not fp32_int8:
         model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's

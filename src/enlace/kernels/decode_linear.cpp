@@ -39,10 +39,15 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Eight weights as floats: fp32 loaded as is, int8 widened.
+// Eight weights as floats: fp32 loaded as is, int8 and bf16 widened.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// bf16 is the top half of an fp32: widened by a shift, exactly.
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
 }
 #endif
 
@@ -186,18 +191,22 @@ namespace enlace {
 void products(const float* x, int64_t rows, const at::Tensor* weights, const at::Tensor* scales, int count,
               float* y) {
   TORCH_CHECK(rows >= 1 && rows <= kMaxRows, "enlace: at most ", kMaxRows, " activation rows, got ", rows);
-  const bool int8 = weights[0].scalar_type() == at::kChar;
+  const at::ScalarType dtype = weights[0].scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kChar || dtype == at::kBFloat16,
+              "enlace: product weights are float32, bfloat16 or int8, not ", dtype);
+  const bool int8 = dtype == at::kChar;
   const int64_t k = weights[0].size(1);
-  const int64_t block = std::max<int64_t>(8, (64 * 1024) / (k * (int8 ? 1 : 4)));
+  const int64_t block = std::max<int64_t>(8, (64 * 1024) / (k * weights[0].element_size()));
   std::vector<int64_t> first_block{0}, first_column{0};
   for (int j = 0; j < count; ++j) {
-    TORCH_CHECK((weights[j].scalar_type() == at::kChar) == int8 && weights[j].size(1) == k,
+    TORCH_CHECK(weights[j].scalar_type() == dtype && weights[j].size(1) == k,
                 "enlace: the weights of one product call share their width and dtype");
     first_block.push_back(first_block.back() + (weights[j].size(0) + block - 1) / block);
     first_column.push_back(first_column.back() + weights[j].size(0));
   }
   const int64_t stride = first_column.back(), blocks = first_block.back();
   const RowsDot<float> dot32 = rows_dot_for<float>(rows);
+  const RowsDot<c10::BFloat16> dot_bf16 = rows_dot_for<c10::BFloat16>(rows);
   const RowsDot<int8_t> dot8 = rows_dot_for<int8_t>(rows);
   const RowsDotI16 dot16 = rows_dot_i16_for(rows);
   // int8 weights: the activations quantised once here, for every weight of the call.
@@ -213,6 +222,8 @@ void products(const float* x, int64_t rows, const at::Tensor* weights, const at:
       dot16(xq.data(), xscale, weights[j].data_ptr<int8_t>(), k, scales[j].data_ptr<float>(), out, stride, begin, end);
     else if (int8)
       dot8(x, weights[j].data_ptr<int8_t>(), k, scales[j].data_ptr<float>(), out, stride, begin, end);
+    else if (dtype == at::kBFloat16)
+      dot_bf16(x, weights[j].data_ptr<c10::BFloat16>(), k, nullptr, out, stride, begin, end);
     else
       dot32(x, weights[j].data_ptr<float>(), k, nullptr, out, stride, begin, end);
   };
@@ -248,6 +259,12 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w) {
   return run(x, w, at::Tensor(), "enlace::linear_f32");
 }
 
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous(),
+              "enlace::linear_bf16: the weight must be a contiguous 2-D bfloat16 tensor");
+  return run(x, w, at::Tensor(), "enlace::linear_bf16");
+}
+
 at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(),
               "enlace::linear_i8: the weight must be a contiguous 2-D int8 tensor");
@@ -260,10 +277,12 @@ at::Tensor linear_i8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 
 TORCH_LIBRARY(enlace, m) {
   m.def("linear_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor w) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor w, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(enlace, CPU, m) {
   m.impl("linear_f32", &linear_f32);
+  m.impl("linear_bf16", &linear_bf16);
   m.impl("linear_i8", &linear_i8);
 }
