@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import make_folder
 
+from enlace import kernels, runtime
 from enlace.generate import generate, sample_next
 from enlace.hf.tokenizer import HFTokenizer, IncrementalDecoder, StreamDecoder
 from enlace.load.run import RunStream
@@ -136,8 +137,20 @@ def _served_tokens(served, reqs, slots: int, stagger: int = 0) -> list[list[int]
 PROMPTS = ["Había una vez", "¿Qué cenamos hoy?", "La ciudad de los niños", "Uno, dos, tres"]
 
 
-def test_served_greedy_tokens_equal_generate_alone_and_batched(folder):
-    served = _served(folder)
+# Where ENLACE's kernels decode a precision (all three on a CPU without native bf16), a row's products do not
+# depend on the rows beside it, so batched tokens must equal generate's exactly; oneDNN's batched bf16
+# matmuls (a CPU with native bf16) may round a row differently, and are not held to it.
+ON_KERNELS = pytest.mark.skipif(
+    runtime.cpu_bf16_native() is not None or not kernels.available(),
+    reason="bf16 and int8 decode on oneDNN or torch's kernels here, not ENLACE's",
+)
+
+
+@pytest.mark.parametrize(
+    "weights", ["fp32", pytest.param("bf16", marks=ON_KERNELS), pytest.param("int8", marks=ON_KERNELS)]
+)
+def test_served_greedy_tokens_equal_generate_alone_and_batched(folder, weights):
+    served = _served(folder, weights)
     reqs = [_request(served, p, n) for p, n in zip(PROMPTS, (24, 9, 30, 17), strict=True)]
     want = [_alone(served, r) for r in reqs]
     assert _served_tokens(served, reqs[:1], slots=1) == want[:1]
