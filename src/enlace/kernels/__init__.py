@@ -1,4 +1,5 @@
-"""ENLACE's own CPU kernels for decoding: `torch.ops.enlace.linear_f32` and `linear_i8` (decode_linear.cpp),
+"""ENLACE's own CPU kernels for decoding: `torch.ops.enlace.linear_f32`, `linear_bf16` and `linear_i8`
+(decode_linear.cpp),
 and `decode_layers` (decode_layers.cpp), a decode step through every layer of the decoder in one call.
 
 Decoding one token multiplies a few activation rows by every weight once, so its speed is the rate at which
@@ -110,7 +111,8 @@ def library() -> Path:
 
 
 def available() -> bool:
-    """Whether torch.ops.enlace.linear_f32 / linear_i8 can be called (building and loading them once)."""
+    """Whether torch.ops.enlace's products (linear_f32, linear_bf16, linear_i8) can be called (building and
+    loading them once)."""
     if "ok" not in _state:
         if os.environ.get(ENV_DISABLE) == "0":
             _state.update(ok=False, why=f"{ENV_DISABLE}=0")

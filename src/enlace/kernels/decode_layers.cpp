@@ -7,7 +7,7 @@
 // in the half-split convention, the KV cache written at each row's own position, attention of one query
 // per head (grouped KV heads, a sliding window on local layers), the output projection, sandwich norms, the
 // gated MLP (SiLU or tanh-GELU) and both residual adds. Activations and the KV cache are fp32; weights are
-// fp32 or int8 with one scale per row (enlace::product). Tests hold it to the model's own forward pass.
+// fp32, bf16, or int8 with one scale per row (enlace::product). Tests hold it to the model's own forward pass.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
