@@ -1,6 +1,6 @@
 """ENLACE's own CPU kernels for decoding: `torch.ops.enlace.linear_f32`, `linear_bf16` and `linear_i8`
-(decode_linear.cpp),
-and `decode_layers` (decode_layers.cpp), a decode step through every layer of the decoder in one call.
+(decode_linear.cpp), and `decode_layers` (decode_layers.cpp), a decode step through every layer of the
+decoder in one call.
 
 Decoding one token multiplies a few activation rows by every weight once, so its speed is the rate at which
 those products stream the weights. decode_linear.cpp says why torch's own kernels fall short there and what
