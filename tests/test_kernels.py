@@ -265,3 +265,19 @@ def test_a_position_outside_the_cache_is_refused_and_changes_nothing():
     with pytest.raises(RuntimeError, match="position 8 is outside the cache"):
         model.layers_step(x, torch.tensor([8]), cache.k, cache.v)
     assert torch.equal(x, before) and all(not k.any() for k in cache.k)
+
+
+def test_a_failed_build_is_said_once_and_leaves_torchs_kernels(tmp_path):
+    # A compiler that fails (here one that fails on every source) must not leave a half-built library
+    # behind, nor stop decoding: torch's kernels take over, and why is one line.
+    fails = tmp_path / "cxx"
+    fails.write_text("#!/bin/sh\necho 'error: this compiler refuses everything' >&2\nexit 1\n")
+    fails.chmod(0o755)
+    code = "from enlace import kernels; print(kernels.available()); print(kernels.why_unavailable())"
+    done = _run(code, tmp_path, CXX=str(fails))
+    assert done.returncode == 0, done.stderr
+    available, why = done.stdout.strip().splitlines()
+    assert available == "False"
+    assert why == f"{fails} failed on the kernels' sources: error: this compiler refuses everything"
+    built = tmp_path / "enlace" / "kernels"
+    assert not any(p.name.endswith(".so") for p in built.rglob("*"))
