@@ -70,12 +70,17 @@ def zeros_on_touch(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
 
     A cache is sized for the longest sequence a slot may hold, and most slots never fill it: torch.zeros
     writes every byte (so every page counts in resident memory from the start), where a fresh anonymous
-    mapping reads as zeros and the kernel gives it a page only when one is first written. The mapping lives
-    as long as the tensor does. Elsewhere, plain torch.zeros."""
+    mapping reads as zeros and the kernel gives it a page only when one is first written. Where the kernel
+    backs memory with 2 MiB pages by default (transparent huge pages set to "always"), one written key would
+    take 2 MiB; the mapping asks for small pages. It lives as long as the tensor does. Elsewhere, plain
+    torch.zeros."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if torch.device(device).type != "cpu" or nbytes < mmap.PAGESIZE:
         return torch.zeros(shape, device=device, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
+    mapping = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
 
 
 @dataclass
