@@ -29,6 +29,10 @@ def test_flops_formula() -> None:
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2)  # tied embedding once
     assert matmul_weights(TINY) == matmul
     assert train_flops_per_token(TINY, 64) == 6 * matmul + 12 * 2 * 64 * 64
+    # Untied, the input embedding is a lookup: the same FLOPs as tied.
+    untied = TINY.model_copy(update={"tie_embeddings": False})
+    head = sum(p.numel() for n, p in Llama(untied).named_parameters() if p.dim() == 2 and "embed" not in n)
+    assert matmul_weights(untied) == head == matmul
     # 1000 tokens/s of a 1 GFLOP-per-token model on a 10 TFLOP/s (10,000 GFLOP/s) device is 10% MFU
     assert mfu(1000.0, 1e9, 1e4) == pytest.approx(0.1)
 

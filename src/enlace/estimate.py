@@ -79,10 +79,12 @@ class MemoryEstimate:
 
 
 def matmul_weights(m: ModelConfig) -> int:
-    """Weights that enter matmuls (everything but the norms); the tied embedding counts once."""
+    """Weights that enter matmuls: the blocks' projections and the output head. Not the norms, and not an
+    untied input embedding: it is read by rows (a lookup, no multiply), so counting it would credit an
+    untied model with FLOPs it never does (and an MFU above the tied one's for the same work)."""
     d, hd = m.d_model, m.head_dim
     per_layer = d * m.n_head * hd * 2 + d * m.n_kv_head * hd * 2 + 3 * d * m.ffn_dim
-    return m.n_layer * per_layer + m.vocab_size * d * (1 if m.tie_embeddings else 2)
+    return m.n_layer * per_layer + m.vocab_size * d
 
 
 def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
