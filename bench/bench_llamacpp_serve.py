@@ -70,6 +70,10 @@ PRECISIONS = {
     "bf16": ("bf16", "BF16"),
     "int8": ("int8", "Q8_0"),
     "q4": ("int8", "Q4_K_M"),
+    # On a CPU with native bf16, `auto` decodes bf16 and int8 on torch's kernels (oneDNN); these rows serve
+    # them on ENLACE's (`--kernels enlace`), so that the table measures both paths the kind could take.
+    "bf16-enlace": ("bf16", "BF16"),
+    "int8-enlace": ("int8", "Q8_0"),
 }
 MODELS = ("smollm2", "gemma3")
 ENLACE, NATIVE, PORTABLE = "enlace serve", "llama.cpp native", "llama.cpp portable"
@@ -186,11 +190,14 @@ def stop_bias(tok: HFTokenizer) -> dict[str, float]:
     return {str(i): -1e9 for i in dict.fromkeys(ids) if i is not None}
 
 
-def start_enlace(model: Model, weights: str, sizes: Sizes, env: dict) -> Server:
+def start_enlace(model: Model, precision: str, sizes: Sizes, env: dict) -> Server:
     port = free_port()
+    weights = PRECISIONS[precision][0]
+    kernels = "enlace" if precision.endswith("-enlace") else "auto"
     return Server(
         [sys.executable, "-m", "enlace.cli", "serve", "--model", str(model.target), "--weights", weights,
-         "--port", str(port), "--slots", str(sizes.streams), "--max-tokens", str(sizes.tokens)],
+         "--kernels", kernels, "--port", str(port), "--slots", str(sizes.streams),
+         "--max-tokens", str(sizes.tokens)],
         port, {"ignore_eos": True, "stream_options": {"include_usage": True}}, env,
     )  # fmt: skip
 
@@ -274,12 +281,17 @@ def measure(servers: dict[str, Server], long_prompt: str, sizes: Sizes, counter:
     }  # fmt: skip
 
 
-def default_precisions() -> list[str]:
+def default_precisions(native_bf16: bool | None = None, own_kernels: bool | None = None) -> list[str]:
     """fp32, bf16 and int8; bf16 where the CPU has native bf16 or ENLACE's kernels are built (they decode
-    bf16 weights with fp32 arithmetic where oneDNN has no bf16 kernels, as llama.cpp's BF16 does there)."""
+    bf16 weights with fp32 arithmetic where oneDNN has no bf16 kernels, as llama.cpp's BF16 does there).
+    Where it has native bf16 and the kernels are built, bf16 and int8 also on ENLACE's kernels (the path
+    `auto` takes elsewhere). Default: this machine's answers."""
     from enlace import kernels
 
-    return ["fp32", *(["bf16"] if cpu_bf16_native() or kernels.available() else []), "int8"]
+    native = bool(cpu_bf16_native()) if native_bf16 is None else native_bf16
+    own = kernels.available() if own_kernels is None else own_kernels
+    both = ["bf16-enlace", "int8-enlace"] if native and own else []
+    return ["fp32", *(["bf16"] if native or own else []), "int8", *both]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -364,7 +376,7 @@ def run_table(model: Model, precision: str, ctx: dict, sizes: Sizes, counter: li
     gguf = gguf_of(model, kind, ctx["bins"], ctx["tmp"])
     servers: dict[str, Server] = {}
     try:  # all up before the first request, so no one's start-up lands in another's figures
-        servers[ENLACE] = start_enlace(model, weights, sizes, ctx["env"])
+        servers[ENLACE] = start_enlace(model, precision, sizes, ctx["env"])
         servers[NATIVE] = start_native(ctx["bins"], gguf, sizes, ctx["env"])
         if ctx["portable"]:
             servers[PORTABLE] = start_portable(ctx["portable"], gguf, tok, ctx["env"])
@@ -373,7 +385,13 @@ def run_table(model: Model, precision: str, ctx: dict, sizes: Sizes, counter: li
         for server in servers.values():
             server.stop()
     for who, f in figures.items():
-        f["weights"] = weights if who == ENLACE else kind
+        f["weights"] = (
+            kind
+            if who != ENLACE
+            else f"{weights}, ENLACE's kernels"
+            if precision.endswith("-enlace")
+            else weights
+        )
         f["ratios"] = {k: ratio(k, f[k], figures[NATIVE][k]) for k in FIGURES}
     print(f"{model.label} {precision}: {json.dumps(figures)}", flush=True)
     return figures

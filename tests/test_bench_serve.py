@@ -26,15 +26,16 @@ def test_serving_table_compares_enlace_serve_with_llama_server(tmp_path):
     out = tmp_path / "bench"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     cmd = [sys.executable, "-m", "bench.bench_llamacpp_serve", "--model", str(folder), "--precisions",
-           "fp32,int8", "--tokens", "12", "--prompt-tokens", "24", "--rounds", "1", "--out", str(out)]  # fmt: skip
+           "fp32,int8-enlace", "--tokens", "12", "--prompt-tokens", "24", "--rounds", "1", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     data = json.loads((out / "serve.json").read_text())
     assert list(data["results"]) == ["tiny"]
     tables = data["results"]["tiny"]
-    assert list(tables) == ["fp32", "int8"]
-    for precision, (ours, theirs) in {"fp32": ("fp32", "F32"), "int8": ("int8", "Q8_0")}.items():
+    assert list(tables) == ["fp32", "int8-enlace"]
+    expected = {"fp32": ("fp32", "F32"), "int8-enlace": ("int8, ENLACE's kernels", "Q8_0")}
+    for precision, (ours, theirs) in expected.items():
         rows = tables[precision]
         assert list(rows) == ["enlace serve", "llama.cpp native"]
         assert [rows[w]["weights"] for w in rows] == [ours, theirs]
@@ -53,9 +54,20 @@ def test_serving_table_compares_enlace_serve_with_llama_server(tmp_path):
     sections = [line for line in md.splitlines() if line.startswith("## ")]
     assert sections == [
         "## tiny, fp32 (enlace fp32 against llama.cpp F32)",
-        "## tiny, int8 (enlace int8 against llama.cpp Q8_0)",
+        "## tiny, int8-enlace (enlace int8 against llama.cpp Q8_0)",
     ]
     body = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(body) == 2 * 3  # per precision: a header and one row per server
     assert sum("llama-server -np 4" in line for line in body) == 2
     assert md in proc.stdout  # the table is printed too
+
+
+def test_a_cpu_with_native_bf16_measures_both_kernel_paths(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # bench/ is a package at the repository's root
+    from bench.bench_llamacpp_serve import default_precisions
+
+    assert default_precisions(native_bf16=True, own_kernels=True) == [
+        "fp32", "bf16", "int8", "bf16-enlace", "int8-enlace"
+    ]  # fmt: skip
+    assert default_precisions(native_bf16=False, own_kernels=True) == ["fp32", "bf16", "int8"]
+    assert default_precisions(native_bf16=False, own_kernels=False) == ["fp32", "int8"]

@@ -78,6 +78,26 @@ def test_bf16_on_an_avx2_cpu_takes_enlaces_kernels_and_is_refused_without_them(m
     assert resolve_decode_weights("bf16", device="cuda", flags=AVX2_CPU) == "bf16"
 
 
+@needs_onednn
+def test_enlaces_kernels_can_be_asked_for_on_a_cpu_with_native_bf16(monkeypatch):
+    # On a bf16 kind `auto` packs bf16 for oneDNN; `--kernels enlace` takes the layer loop on bf16 weights
+    # there as on an AVX2 CPU, so both paths can be measured on the same machine: the same model, the same
+    # tokens as the AVX2 kind's bf16 path.
+    assert kernels.available()
+    asked = decode_weights(model(), "bf16", flags=AVX512_BF16_CPU, kernel_choice="enlace")
+    assert isinstance(asked.lm_head, Bf16Linear) and asked.layers_step is not None
+    avx2 = decode_weights(model(), "bf16", flags=AVX2_CPU)
+    ids = [5, 6, 7]
+    assert list(generate(asked, ids, 8)) == list(generate(avx2, ids, 8))
+    # torch's own kernels cannot decode bf16 where oneDNN has none; without ENLACE's, "enlace" is refused.
+    with pytest.raises(HardwareError, match="kernel_choice 'torch'"):
+        decode_weights(model(), "bf16", flags=AVX2_CPU, kernel_choice="torch")
+    monkeypatch.setitem(kernels._state, "ok", False)
+    monkeypatch.setitem(kernels._state, "why", "no C++ compiler")
+    with pytest.raises(HardwareError, match=r"--kernels enlace on cpu: .*\(no C\+\+ compiler\)"):
+        decode_weights(model(), "int8", flags=AVX2_CPU, kernel_choice="enlace")
+
+
 def test_int8_linear_is_close_to_fp32():
     lin = torch.nn.Linear(64, 96, bias=False)
     x = torch.randn(7, 64)

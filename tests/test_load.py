@@ -129,6 +129,19 @@ def test_decode_weights_are_applied_and_recorded(folder):
     assert next(loaded.model.parameters()).dtype == torch.float32
 
 
+def test_the_kernel_choice_reaches_the_model_and_a_bad_one_is_named(folder):
+    from enlace.generate import KernelLinear
+    from enlace.serve.loader import load_served
+
+    def takes_enlaces(kernels: str) -> bool:
+        served = load_served(str(folder), None, default=None, weights="fp32", kernels=kernels)
+        return any(isinstance(m, KernelLinear) for m in served.model.modules())
+
+    assert takes_enlaces("auto") and not takes_enlaces("torch")  # the kernels are built where tests run
+    with pytest.raises(ModelError, match="--kernels fastest: choose from auto, torch, enlace"):
+        load_model(folder, weights="fp32", kernels="fastest")
+
+
 @pytest.mark.parametrize(
     "make, needle",
     [

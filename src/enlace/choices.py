@@ -15,6 +15,14 @@ MuonAdjustLr = Literal["original", "match_rms_adamw"]  # how torch.optim.Muon sc
 NewtonSchulzDtype = Literal["bf16", "fp32"]  # the dtype of Muon's Newton-Schulz matmuls (train/optim.py)
 DecodeWeights = Literal["auto", "fp32", "bf16", "int8"]  # generation weights (generate.decode_weights)
 HeadWeights = Literal["same", "int8"]  # the output head's: as the rest, or int8 (generate.HEAD_WEIGHTS)
+# Which kernels decode (generate.decode_weights): auto lets the CPU kind choose, torch keeps torch's own (oneDNN
+# where it packs bf16, its int8 kernel), enlace takes ENLACE's decode kernels at every precision.
+DecodeKernels = Literal["auto", "torch", "enlace"]
+KERNELS_HELP = (
+    "which kernels decode: auto (the CPU kind's choice: ENLACE's kernels for fp32 wherever they build, and for "
+    "bf16 and int8 where the CPU has no native bf16; torch's elsewhere), torch (torch's own everywhere) or "
+    "enlace (ENLACE's at every precision: to measure both paths on a CPU with native bf16)"
+)
 HEAD_HELP = (
     "the output head's weights: same (as --weights) or int8 (weight-only, a scale per row, whatever --weights "
     "is; a tied embedding reads the same rows: one int8 copy)"

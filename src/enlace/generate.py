@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import kernels
+from .choices import DecodeKernels, values
 from .errors import EnlaceError, HardwareError
 from .model import KVCache, Llama, fuse_projections
 from .runtime import drop_mapped_pages
@@ -23,9 +24,10 @@ from .runtime import drop_mapped_pages
 DECODE_WEIGHTS = ("auto", "fp32", "bf16", "int8")
 # The output head's weights: as the rest of the model, or int8 whatever the rest is (decode_weights).
 HEAD_WEIGHTS = ("same", "int8")
-# Which kernels decode: "auto" takes ENLACE's (enlace.kernels) for fp32 and int8 weights on a CPU where they
-# build; "torch" keeps torch's own everywhere (the reference they are measured against).
-KERNEL_CHOICES = ("auto", "torch")
+# Which kernels decode (choices.DecodeKernels): "auto" takes ENLACE's (enlace.kernels) where the CPU kind gains
+# by them, "torch" keeps torch's own everywhere (the reference they are measured against), "enlace" takes
+# ENLACE's at every precision (the other path on a CPU with native bf16, so that both can be measured there).
+KERNEL_CHOICES = values(DecodeKernels)
 
 
 def resolve_decode_weights(
@@ -302,7 +304,8 @@ def decode_weights(
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
     fp32 keeps the weights; on a CPU where ENLACE's decode kernels build (kernel_choice "auto"; "torch"
-    keeps torch's own) its linear layers decode through them. bf16 turns norms, embedding, activations and
+    keeps torch's own) its linear layers decode through them. kernel_choice "enlace" decodes bf16 and int8
+    through them too on a CPU with native bf16, as where it has none (refused where they do not build). bf16 turns norms, embedding, activations and
     KV cache into bf16 and every linear layer into a packed bf16 module, except on a CPU whose oneDNN has
     no bf16 kernels: there the linear weights alone become bf16 (Bf16Linear, one copy of a tied head) and
     decode through ENLACE's kernels with the rest in fp32. int8 does the same as bf16 with int8
@@ -319,24 +322,31 @@ def decode_weights(
 
     weights = resolve_decode_weights(weights, device, flags)
     cpu = torch.device(device).type == "cpu"
-    # bf16 where oneDNN has no bf16 kernels (resolve_decode_weights allowed it: ENLACE's kernels are built).
+    if kernel_choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels {kernel_choice!r}: choose from {', '.join(KERNEL_CHOICES)}")
+    everywhere = kernel_choice == "enlace"
+    if everywhere and not (cpu and kernels.available()):
+        raise HardwareError(
+            f"--kernels enlace on {device}: ENLACE's decode kernels are not available "
+            f"({kernels.why_unavailable() if cpu else 'they are CPU kernels'}); use --kernels auto"
+        )
+    # bf16 on ENLACE's kernels: where oneDNN has no bf16 kernels (resolve_decode_weights allowed it: they are
+    # built), or everywhere when asked.
     bf16_own = (
         weights == "bf16"
         and cpu
         and torch.backends.mkldnn.is_available()
-        and bool(onednn_bf16_missing(flags))
+        and (everywhere or bool(onednn_bf16_missing(flags)))
     )
-    if bf16_own and kernel_choice != "auto":
+    if bf16_own and kernel_choice == "torch":
         raise HardwareError(
             f"decode weights bf16, kernel_choice {kernel_choice!r}: {onednn_bf16_missing(flags)}"
         )
     if head not in HEAD_WEIGHTS:
         raise ValueError(f"head weights {head!r}: choose from {', '.join(HEAD_WEIGHTS)}")
-    if kernel_choice not in KERNEL_CHOICES:
-        raise ValueError(f"kernels {kernel_choice!r}: choose from {', '.join(KERNEL_CHOICES)}")
     if "int8" in (weights, head) and not cpu:
         raise ValueError("int8 decode weights use torch's CPU kernel; use bf16 on a GPU")
-    own = cpu and kernel_choice == "auto" and (weights != "bf16" or bf16_own) and kernels.available()
+    own = cpu and kernel_choice != "torch" and (weights != "bf16" or bf16_own) and kernels.available()
     if not own:
         # torch's kernels: q, k and v (gate and up) as one product each. ENLACE's kernels read the separate
         # weights in one pass instead, so no stacked copy is made (the loaded ones stay memory-mapped).
@@ -350,7 +360,7 @@ def decode_weights(
         if model.cfg.tie_embeddings and isinstance(model.lm_head, Bf16Linear):
             model.model.embed_tokens = Bf16Embedding(model.lm_head)
         return _with_layers_step(model)
-    fp32_int8 = weights == "int8" and own and not cpu_bf16_native(flags)
+    fp32_int8 = weights == "int8" and own and (everywhere or not cpu_bf16_native(flags))
     if not fp32_int8:
         model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's
     if not cpu or (weights == "bf16" and not torch.backends.mkldnn.is_available()):

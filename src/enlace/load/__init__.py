@@ -202,18 +202,24 @@ def load_model(
     weights: str | None = None,
     flag: str = "--model",
     head: str = "same",
+    kernels: str = "auto",
 ) -> Loaded:
     """Open any model ENLACE can use (see the module docstring); `flag` names `path` in errors.
 
     weights: decode weights to convert to (auto, fp32, bf16, int8; see generate.decode_weights), checked
     before anything is read; None keeps the fp32 weights a model trains and scores with.
     head: "int8" puts the output head (and a tied embedding) in int8 whatever the rest is (--head).
+    kernels: which kernels decode (choices.DecodeKernels, --kernels); checked before anything is read.
     """
-    from ..generate import HEAD_WEIGHTS, decode_weights, resolve_decode_weights
+    from ..generate import HEAD_WEIGHTS, KERNEL_CHOICES, decode_weights, resolve_decode_weights
 
     resolved = resolve_decode_weights(weights, device) if weights is not None else "fp32"
     if head not in HEAD_WEIGHTS:
         raise ModelError(f"--head {head}: choose from {', '.join(HEAD_WEIGHTS)}")
+    if kernels not in KERNEL_CHOICES:
+        raise ModelError(f"--kernels {kernels}: choose from {', '.join(KERNEL_CHOICES)}")
+    if kernels != "auto" and weights is None:
+        raise ModelError(f"--kernels {kernels}: decode kernels need decode weights (--weights)")
     if head == "int8" and torch.device(device).type != "cpu":
         raise HardwareError(f"--head int8 on {device}: the int8 kernel is torch's CPU one; leave --head out")
     ref = locate(path, adapter, flag)
@@ -226,7 +232,7 @@ def load_model(
     else:
         loaded = _open_hf(ref, ref.path, str(device), str(ref.path))
     if weights is not None or head != "same":
-        decode_weights(loaded.model, resolved, device, head=head)
+        decode_weights(loaded.model, resolved, device, head=head, kernel_choice=kernels)
         loaded.weights = resolved if head == "same" or resolved == "int8" else f"{resolved} ({head} head)"
         release_freed_memory()  # the weights the conversion replaced
     return loaded

@@ -88,7 +88,14 @@ def _serve(args: argparse.Namespace) -> int:
     api_key = _api_key(args)
     _setup_runtime(args.device)
     served = load_served(
-        args.model, args.adapter, _default_assistant(args), args.weights, args.device, args.name, args.head
+        args.model,
+        args.adapter,
+        _default_assistant(args),
+        args.weights,
+        args.device,
+        args.name,
+        args.head,
+        args.kernels,
     )
     slots = args.slots
     engine = Engine(served, slots=slots, queue=args.queue, prompt_cache=args.prompt_cache)
@@ -113,7 +120,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    from ..choices import HEAD_HELP, HeadWeights, values
+    from ..choices import HEAD_HELP, KERNELS_HELP, DecodeKernels, HeadWeights, values
     from ..finetune.commands import _common as finetune_common
 
     p = sub.add_parser(
@@ -172,6 +179,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         choices=values(HeadWeights),
         help=HEAD_HELP,
     )
+    p.add_argument("--kernels", default="auto", choices=values(DecodeKernels), help=KERNELS_HELP)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument(
         "--max-prompt-tokens", dest="max_prompt_tokens", type=int, default=DEFAULT_MAX_PROMPT_TOKENS,

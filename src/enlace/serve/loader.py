@@ -111,9 +111,10 @@ def load_served(
     device: str = "cpu",
     name: str | None = None,
     head: str = "same",
+    kernels: str = "auto",
 ) -> Served:
     from ..load import load_model
 
     kind, path, adapter_dir = resolve(model, adapter, default)
-    loaded = load_model(path, adapter_dir, device=device, weights=weights, head=head)
+    loaded = load_model(path, adapter_dir, device=device, weights=weights, head=head, kernels=kernels)
     return Served.from_loaded(loaded, name or loaded.name)
