@@ -100,17 +100,15 @@ def chat_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def chat_model(chat_folder):
-    loaded = load_model(chat_folder)
-    return loaded.model, loaded.tokenizer
+    return load_model(chat_folder)
 
 
 @pytest.mark.parametrize("errors", ["strict", "surrogateescape"])
 def test_invalid_utf8_on_chat_input_is_one_line_error(chat_model, errors):
-    model, tok = chat_model
     inp = io.TextIOWrapper(io.BytesIO(b"hola\n\xff\xfeadios\n"), encoding="utf-8", errors=errors)
     out = io.StringIO()
     with pytest.raises(EnlaceError, match=r"^input line \d: not valid UTF-8") as e:
-        chat_repl(model, tok, inp, out, max_new_tokens=3)
+        chat_repl(chat_model, inp, out, max_new_tokens=3)
     assert "\n" not in str(e.value)
     if errors == "surrogateescape":  # how `enlace chat` reads stdin: the line is named exactly
         assert str(e.value).startswith("input line 2:")

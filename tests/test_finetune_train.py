@@ -163,10 +163,9 @@ def test_cli_flags_map_onto_finetune_config():
 def test_chat_streams_replies_until_exit(setup):
     folder, _, _ = setup
     loaded = load_model(folder)
-    model, tok = loaded.model, loaded.tokenizer
     out = io.StringIO()
     msgs = chat_repl(
-        model, tok, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5,
+        loaded, io.StringIO("hola\n\n¿qué tal?\n/exit\nignored\n"), out, max_new_tokens=5,
         temperature=0.0, repetition_penalty=1.0, no_repeat_ngram=0,  # plain greedy: one line per reply
     )  # fmt: skip
     assert [m["role"] for m in msgs] == ["user", "assistant", "user", "assistant"]

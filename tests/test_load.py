@@ -241,6 +241,38 @@ def test_assistant_spec_opens_its_base_with_the_preamble(folder, tmp_path):
         locate(spec_path, adapter=tmp_path)
 
 
+def test_chat_answers_through_a_specs_preamble_and_stops_as_the_judge_does(folder, tmp_path):
+    """`enlace chat --model SPEC`: the preamble renders the conversation, and the reply ends at a stop string
+    (cut before it, nothing of it printed), as the judge's and the server's replies do."""
+    import io
+
+    from enlace.finetune.assistant import load_assistant, reply
+    from enlace.finetune.chat import chat_repl
+
+    plain = {"temperature": 0.0, "repetition_penalty": 1.0, "no_repeat_ngram": 0}
+
+    def chat(spec_path: Path) -> tuple[str, str]:
+        out = io.StringIO()
+        msgs = chat_repl(load_model(spec_path), io.StringIO(PROMPT + "\n"), out, max_new_tokens=16, **plain)
+        return msgs[1]["content"], out.getvalue()
+
+    spec_path = write_spec(tmp_path / "tiny.yaml", folder)
+    full, printed = chat(spec_path)
+    assert full == reply(load_assistant(spec_path), PROMPT, {**plain, "seed": 0}, 16).text
+    assert len(full) > 6 and printed.strip() == full
+    stop = full[3:6]  # a stop string the tiny model is sure to write
+    text = spec_path.read_text(encoding="utf-8").replace('stop: ["\\nUsuario:"]', f'stop: ["{stop}"]')
+    cut_spec = tmp_path / "cut.yaml"
+    cut_spec.write_text(text, encoding="utf-8")
+    cut, printed = chat(cut_spec)
+    assert (
+        cut
+        == full[: full.find(stop)].strip()
+        == reply(load_assistant(cut_spec), PROMPT, {**plain, "seed": 0}, 16).text
+    )
+    assert printed == full[: full.find(stop)] + "\n"
+
+
 def test_serve_answers_with_the_imported_preamble_by_default(folder, tmp_path, monkeypatch):
     """No --model: the in-context assistant once its base exists, named as such; else the finetune adapter."""
     from enlace.paths import DEFAULT_ASSISTANT

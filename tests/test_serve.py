@@ -385,7 +385,7 @@ def test_model_folders_are_told_apart(project, tmp_path):
     ],
 )
 def test_stop_strings(stops, pieces, want, hit):
-    from enlace.serve.engine import StopScanner
+    from enlace.load.preamble import StopScanner
 
     scan, out, ended = StopScanner(stops), "", False
     for p in pieces:

@@ -1,13 +1,19 @@
-"""The `enlace chat` REPL: streamed replies from a model with a chat template (opened by enlace.load)."""
+"""The `enlace chat` REPL: streamed replies from a model opened by enlace.load, rendered as `enlace serve`
+renders a chat: the folder's chat template, or an assistant spec's preamble, its stop strings and its copy
+guard."""
 
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..config.extra import CHAT
 from ..errors import EnlaceError
-from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
+from ..hf.tokenizer import Message
+from ..load.preamble import StopScanner
+
+if TYPE_CHECKING:
+    from ..load import Loaded
 
 # `enlace chat` decoding, as config.extra.CHAT defines it (the repetition controls and why: there).
 CHAT_SAMPLING = CHAT.model_dump(
@@ -16,26 +22,40 @@ CHAT_SAMPLING = CHAT.model_dump(
 
 
 def stream_reply(
-    model,
-    tok: HFTokenizer,
+    loaded: Loaded,
     messages: list[Message],
     out: TextIO,
     max_new_tokens: int = CHAT.max_new_tokens,
     **sampling,
 ) -> str:
-    """Generate the assistant's reply token by token, printing each piece as soon as it decodes."""
+    """Generate the assistant's reply token by token, printing each piece as soon as it decodes. It ends at
+    an end id or at a stop string (a preamble's next turn: cut before it, never printed)."""
     from ..generate import generate
 
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-    dec = StreamDecoder(tok)
-    for t in generate(model, ids, max_new_tokens, eos_ids=tok.eos_ids, **sampling):
-        piece = dec.push(t)
-        if piece:
-            out.write(piece)
-            out.flush()
+    encode = loaded.chat_template
+    if encode is None:
+        raise EnlaceError(
+            f"{loaded.ref.path}: no chat template; use `enlace generate --raw` to continue text"
+        )
+    ids = encode(messages)
+    dec, scan, eos = loaded.stream(ids), StopScanner(list(loaded.stops)), set(loaded.eos_ids)
+    reply, hit = "", False
+    for t in generate(loaded.model, ids, max_new_tokens, eos_ids=eos, copy=loaded.copy, **sampling):
+        if t in eos:
+            break
+        piece, hit = scan.feed(dec.push(t))
+        reply += piece
+        out.write(piece)
+        out.flush()
+        if hit:
+            break
+    if not hit:  # the model ended, or the budget did: a tail held back as a possible stop is text
+        tail = scan.flush()
+        reply += tail
+        out.write(tail)
     out.write("\n")
     out.flush()
-    return tok.decode(dec.ids, skip_special_tokens=True).strip()
+    return reply.strip()
 
 
 def read_turn(inp: TextIO, lineno: int) -> str:
@@ -51,8 +71,7 @@ def read_turn(inp: TextIO, lineno: int) -> str:
 
 
 def chat_repl(
-    model,
-    tok: HFTokenizer,
+    loaded: Loaded,
     inp: TextIO | None = None,
     out: TextIO | None = None,
     system: str | None = None,
@@ -86,7 +105,7 @@ def chat_repl(
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
-        reply = stream_reply(model, tok, messages, out, max_new_tokens, seed=seed + turn, **sampling)
+        reply = stream_reply(loaded, messages, out, max_new_tokens, seed=seed + turn, **sampling)
         messages.append({"role": "assistant", "content": reply})
         turn += 1
     return messages

@@ -235,14 +235,11 @@ def _chat(args: argparse.Namespace) -> int:
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.
         sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
     loaded = load_model(args.model, args.adapter, weights=args.weights, head=args.head)  # checked first
-    tok = loaded.hf_tokenizer("enlace chat")
     if loaded.chat_template is None:
         raise EnlaceError(
             f"--model {args.model}: no chat template; use `enlace generate --raw` to continue text"
         )
-    chat_repl(
-        loaded.model, tok, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling
-    )
+    chat_repl(loaded, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
     return 0
 
 
@@ -356,7 +353,8 @@ def _register_chat(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat with a Hugging Face model folder (optionally with a LoRA adapter)")
     p.add_argument(
         "--model", default=str(SMOLLM2_DIR),
-        help="a model with a chat template: a Hugging Face folder, a LoRA run folder or a .gguf file",
+        help="a model with a chat template (a Hugging Face folder, a LoRA run folder or a .gguf file), or an "
+        "assistant spec (configs/assistant/NAME.yaml: its base answers after the spec's preamble)",
     )  # fmt: skip
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT layout)")
     p.add_argument("--system", default=None, help="system message")

@@ -122,6 +122,38 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return (text[: min(hits)], True) if hits else (text, False)
 
 
+class StopScanner:
+    """Cuts the text at the first stop string, holding back any tail that could still become one."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """The text safe to emit now, and whether a stop string ended it."""
+        self.pending += piece
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
 def load_spec(path: str | Path) -> PreambleSpec:
     """A spec file; a missing file or a bad field is a one-line error naming it."""
     path = Path(path)

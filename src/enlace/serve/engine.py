@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..generate import RepeatGuard, sample_next
+from ..load.preamble import StopScanner
 from ..model import KVCache, SlotCache
 from ..runtime import release_openmp_team
 from .loader import Served
@@ -73,38 +74,6 @@ class Event:
     timings: dict[str, float] | None = None
     # text: each new token's {"token", "logprob", "top": [(token, logprob), ...]} when the request asked
     logprobs: list[dict[str, Any]] | None = None
-
-
-class StopScanner:
-    """Cuts the text at the first stop string, holding back any tail that could still become one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops = [s for s in stops if s]
-        self.pending = ""
-
-    def feed(self, piece: str) -> tuple[str, bool]:
-        """The text safe to emit now, and whether a stop string ended it."""
-        self.pending += piece
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return out, False
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    hold = max(hold, k)
-                    break
-        cut = len(self.pending) - hold
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
 
 
 class Job:
