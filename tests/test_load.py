@@ -162,9 +162,9 @@ def test_bad_paths_are_one_line_errors_naming_them(tmp_path, make, needle, capsy
 
 
 def test_commands_refuse_a_model_they_cannot_use(run_dir, adapter, capsys):
-    assert main(["chat", "--model", str(run_dir)]) == 2  # a run continues text: it has no tokenizer to chat
+    assert main(["chat", "--model", str(run_dir)]) == 2  # a run continues text: it has no chat template
     err = capsys.readouterr().err.strip()
-    assert "export it first" in err and str(run_dir) in err and "\n" not in err
+    assert "no chat template" in err and "generate --raw" in err and str(run_dir) in err and "\n" not in err
     assert main(["generate", "hola", "--model", str(run_dir), "--adapter", str(adapter)]) == 2
     assert "--adapter applies to Hugging Face model folders" in capsys.readouterr().err
     assert main(["bench-es", str(run_dir)]) == 2

@@ -68,6 +68,42 @@ def test_top_k_then_top_p_samples_only_the_nucleus():
     assert 3 not in drawn and len(drawn) >= 4
 
 
+def test_greedy_picks_torchs_argmax_ties_and_nans_included():
+    from enlace.generate import greedy_ids
+
+    rows = torch.randn(3, 262144)
+    rows[1, 7] = rows[1, 9] = rows[1].max() + 1  # a tie: the first wins
+    rows[2, 11] = float("nan")  # a NaN counts as largest
+    assert torch.equal(greedy_ids(rows), rows.argmax(dim=-1)) and greedy_ids(rows).tolist()[1:] == [7, 11]
+    assert torch.equal(greedy_ids(rows.bfloat16()), rows.bfloat16().argmax(dim=-1))
+
+
+def _kept(sorted_p: torch.Tensor, top_p: float) -> int:
+    """How many of the largest probabilities _sample_sorted keeps (the most over the rows)."""
+    return int((sorted_p.cumsum(-1) - sorted_p <= top_p).sum(-1).max())
+
+
+@pytest.mark.parametrize("spread", [0.5, 3.0, 30.0])  # a flat row needs the whole sort, a peaked one 256
+def test_top_p_alone_keeps_the_nucleus_a_whole_sort_keeps(spread):
+    from enlace.generate import _nucleus_candidates
+
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(2, 262144) * spread, dim=-1)
+    for top_p in (0.5, 0.9, 0.99):
+        values, ids = _nucleus_candidates(probs, top_p)
+        full_p, full_ids = probs.sort(dim=-1, descending=True)
+        n = _kept(full_p, top_p)
+        assert values.size(-1) >= n and _kept(values, top_p) == n
+        assert torch.equal(values[:, :n], full_p[:, :n])  # the same probabilities, in the same order
+        assert torch.equal(probs.gather(-1, ids[:, :n]), values[:, :n])  # each is its id's own
+        for row in range(2):  # the same ids, but for the order of equal probabilities (topk and sort differ)
+            assert len(set(ids[row, :n].tolist())) == n
+            above = full_p[row, n - 1]
+            assert {i for i in ids[row, :n].tolist() if probs[row, i] > above} == {
+                i for i in full_ids[row, :n].tolist() if probs[row, i] > above
+            }
+
+
 class _Ids:
     """A test double of the text stream: each token as <id>, so the text carries the ids exactly."""
 

@@ -431,9 +431,10 @@ def sample_next(
     """Next token ids [B] from last-position logits [B, V]. temperature 0 is greedy.
 
     With top_k, only the k largest logits are kept, softmaxed and (for top_p) sorted: topk returns them
-    in order, so a 262k vocabulary is never sorted whole."""
+    in order. With top_p alone, only as many of the largest probabilities as the nucleus needs are taken
+    (_nucleus_candidates). Either way a 262k vocabulary is never sorted whole."""
     if temperature <= 0:
-        return logits.argmax(dim=-1)
+        return greedy_ids(logits)
     logits = logits.float() / temperature
     if top_k and top_k < logits.size(-1):
         values, ids = torch.topk(logits, top_k, dim=-1)  # sorted, largest first
@@ -441,8 +442,36 @@ def sample_next(
     probs = torch.softmax(logits, dim=-1)
     if top_p >= 1.0:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = _nucleus_candidates(probs, top_p)
     return order.gather(-1, _sample_sorted(sorted_p, top_p, generator)).squeeze(-1)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest logit [B] (a NaN counts as largest), as torch.argmax gives it.
+
+    On the CPU through NumPy: torch's CPU argmax walks a row one element at a time (0.31-0.44 ms for one row
+    of Gemma 3's 262,144 logits on 2 Zen 3 cores, against 0.03 ms for NumPy's vectorised one), and a served
+    token is otherwise about 16 ms."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    rows = logits.detach().float().contiguous().numpy()
+    return torch.from_numpy(rows.argmax(axis=-1))
+
+
+def _nucleus_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest probabilities of each row [B, V], largest first, and their ids: at least the top_p nucleus.
+
+    Sorting Gemma 3's 262,144 probabilities took 36 ms a token, twice its forward. The nucleus is usually a
+    few dozen tokens, so topk takes k of them, k growing until the k kept carry more than top_p: every later
+    token then has more than top_p of mass before it, and _sample_sorted would drop it. Where no k short of
+    the vocabulary does, the whole row is sorted, as before."""
+    k = 256
+    while k < probs.size(-1):
+        values, ids = torch.topk(probs, k, dim=-1)  # sorted, largest first
+        if bool((values.cumsum(-1)[..., -1] > top_p).all()):  # the sum _sample_sorted's cumsum would reach
+            return values, ids
+        k *= 8
+    return probs.sort(dim=-1, descending=True)
 
 
 def _sample_sorted(sorted_p: torch.Tensor, top_p: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -520,6 +549,7 @@ class RepeatGuard:
         self.penalty, self.ngram, self.keep = penalty, ngram, set(keep)
         self.ids: list[int] = []
         self.seen: set[int] = set()
+        self._seen_ids: torch.Tensor | None = None  # `seen` as an index tensor, rebuilt when it grows
         self.follows: dict[tuple[int, ...], set[int]] = {}  # (n-1)-gram -> tokens that followed it
         self.copy = copy
         self.allowed = copy.allowed(list(prompt_ids)) if copy is not None else set()
@@ -530,8 +560,9 @@ class RepeatGuard:
 
     def push(self, token: int) -> None:
         self.ids.append(token)
-        if token not in self.keep:
+        if token not in self.keep and token not in self.seen:
             self.seen.add(token)
+            self._seen_ids = None
         n = self.ngram
         if n > 0 and len(self.ids) >= n:
             self.follows.setdefault(tuple(self.ids[-n:-1]), set()).add(token)
@@ -555,7 +586,9 @@ class RepeatGuard:
             return logits
         logits = logits.float().clone()
         if penalise:
-            idx = torch.tensor(sorted(self.seen))
+            if self._seen_ids is None:  # a token seen again changes nothing: most steps reuse the index
+                self._seen_ids = torch.tensor(sorted(self.seen))
+            idx = self._seen_ids
             row = logits[0, idx]
             logits[0, idx] = torch.where(row > 0, row / self.penalty, row * self.penalty)
         if banned:
