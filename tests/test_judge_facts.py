@@ -223,6 +223,14 @@ def test_judge_run_on_a_preamble_assistant(tmp_path):
         assert 1 <= row["tokens"] <= 6 and (row["ended"] or row["tokens"] == 6)
         assert not any(s in row["answer"] for s in ("Usuario:", "ENLACE:"))
     assert "| gemma3-preamble | greedy |" in summary_table([r])
+    # `enlace judge --weights auto` (its default): the decode weights the server would use here, named.
+    from enlace import kernels
+    from enlace.generate import KernelLinear
+
+    served_like = load_assistant(spec, weights="fp32")
+    assert served_like.what.endswith("; fp32 decode weights, as `enlace serve --weights fp32`")
+    assert any(isinstance(m, KernelLinear) for m in served_like.model.modules()) == kernels.available()
+    assert "decode weights" not in a.what
 
 
 def test_a_bare_name_is_not_taken_for_another_language(qs):

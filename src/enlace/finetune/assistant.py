@@ -45,27 +45,36 @@ def from_loaded(
 
 
 def load_assistant(spec: str | Path | None = None, model_dir: str | Path | None = None,
-                   adapter: str | Path | None = None) -> Assistant:  # fmt: skip
+                   adapter: str | Path | None = None, weights: str | None = None) -> Assistant:  # fmt: skip
     """A preamble spec's assistant, or a model folder (plus an adapter) answering in its chat template; both
-    opened by enlace.load."""
+    opened by enlace.load. weights: decode weights as `enlace serve --weights` (None: the fp32 weights as
+    loaded, through torch's own kernels)."""
     from ..load import load_model
 
     if spec is not None:
-        loaded = load_model(spec, flag="--assistant")
+        loaded = load_model(spec, flag="--assistant", weights=weights)
         tok = loaded.hf_tokenizer("enlace judge")
         return Assistant(
             loaded.name, loaded.model, tok, loaded.chat_template, loaded.stops, loaded.eos_ids,
-            f"{Path(loaded.preamble.base).name}, preamble {spec} (no adapter)", loaded.copy,
+            f"{Path(loaded.preamble.base).name}, preamble {spec} (no adapter){_decoded(loaded, weights)}",
+            loaded.copy,
         )  # fmt: skip
     if model_dir is None:
         raise EnlaceError("an assistant needs a spec or a model folder")
-    loaded = load_model(model_dir, adapter, flag="--model")
+    loaded = load_model(model_dir, adapter, flag="--model", weights=weights)
     tok = loaded.hf_tokenizer("enlace judge")
     name = Path(model_dir).name + (" + LoRA" if adapter else "")
     what = f"{Path(model_dir).name}, its chat template, " + (
         f"adapter {adapter}" if adapter else "no adapter"
     )
-    return from_loaded(name, loaded.model, tok, what)
+    return from_loaded(name, loaded.model, tok, what + _decoded(loaded, weights))
+
+
+def _decoded(loaded: Any, weights: str | None) -> str:
+    """How the answers were decoded, for the result's `what` (nothing when the weights were left as loaded)."""
+    return (
+        "" if weights is None else f"; {loaded.weights} decode weights, as `enlace serve --weights {weights}`"
+    )
 
 
 def decoding(name: str, sampler: dict[str, Any]) -> dict[str, Any]:

@@ -147,7 +147,7 @@ def _judge(args: argparse.Namespace) -> int:
     questions = read_questions(Path(args.questions), None if args.split == "all" else args.split)
     questions = interleave(questions)  # kinds in turn: a run stopped early is still a fair sample
     questions = questions[: args.limit] if args.limit else questions
-    a = load_assistant(args.assistant, args.model, args.adapter)
+    a = load_assistant(args.assistant, args.model, args.adapter, weights=args.weights)
     log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
     out = Path(args.out or f"runs/judge/{a.name.replace(' ', '').replace('+', '-')}/judge.json")
     meta = {"questions_file": args.questions, "split": args.split}
@@ -289,6 +289,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _register_judge(sub: argparse._SubParsersAction) -> None:
+    from ..choices import DecodeWeights, values
+
     p = sub.add_parser(
         "judge",
         help="answer the held-out questions with an assistant and judge them (on topic, correct, Spanish, ...)",
@@ -299,6 +301,10 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--assistant", default=None, help="a preamble spec (configs/assistant/NAME.yaml)")
     p.add_argument("--model", default=None, help="or a model folder answering in its chat template")
     p.add_argument("--adapter", default=None, help="with --model: a LoRA adapter folder")
+    p.add_argument(
+        "--weights", default="auto", choices=values(DecodeWeights),
+        help="decode weights, as `enlace serve --weights` (default auto, as the server answers on this CPU)",
+    )  # fmt: skip
     p.add_argument("--questions", default="assets/eval/preguntas-juez.jsonl", help="question file")
     p.add_argument(
         "--split", default="test", choices=("test", "dev", "all"), help="which questions (default test)"
