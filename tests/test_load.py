@@ -16,7 +16,7 @@ from enlace.errors import CheckpointError, ModelError
 from enlace.generate import generate
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
-from enlace.load import Loaded, load_model, locate
+from enlace.load import Loaded, ModelRef, load_model, locate
 from enlace.model import Llama
 from enlace.text import ByteCodec
 from enlace.train.checkpoint import latest_checkpoint
@@ -237,8 +237,8 @@ def test_assistant_spec_opens_its_base_with_the_preamble(folder, tmp_path):
     assert greedy(loaded.model, loaded.chat_template(msgs)) == greedy(
         load_hf_folder(folder), spec.encode(tok, msgs)
     )
-    with pytest.raises(ModelError, match="no adapter"):
-        locate(spec_path, adapter=tmp_path)
+    # An adapter goes on the spec's base (one trained in its format: tests/test_finetune_preamble.py).
+    assert locate(spec_path, adapter=tmp_path) == ModelRef("preamble", spec_path, tmp_path)
 
 
 def test_chat_answers_through_a_specs_preamble_and_stops_as_the_judge_does(folder, tmp_path):

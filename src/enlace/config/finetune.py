@@ -43,6 +43,10 @@ class FinetuneConfig(Strict):
     val_data: str = "assets/instruct/es_familia_val.jsonl"
     format: InstructFormat = "dolly"
     system_prompt: str | None = None  # null: the chat template's own default system message
+    # An assistant spec (configs/assistant/NAME.yaml): train in its plain format, each example rendered as the
+    # served preamble assistant renders the question (the preamble in the prompt), the loss on the answer and
+    # its end only; serve the adapter as `--assistant SPEC --adapter DIR`. null: the chat template.
+    preamble: str | None = None
     max_len: StrictInt = Field(default=320, gt=1)
     max_examples: StrictInt = Field(default=0, ge=0)  # 0: all
     rank: StrictInt = Field(default=8, gt=0)

@@ -46,17 +46,18 @@ def from_loaded(
 
 def load_assistant(spec: str | Path | None = None, model_dir: str | Path | None = None,
                    adapter: str | Path | None = None, weights: str | None = None) -> Assistant:  # fmt: skip
-    """A preamble spec's assistant, or a model folder (plus an adapter) answering in its chat template; both
-    opened by enlace.load. weights: decode weights as `enlace serve --weights` (None: the fp32 weights as
-    loaded, through torch's own kernels)."""
+    """A preamble spec's assistant (plus an adapter trained in its format), or a model folder (plus an adapter)
+    answering in its chat template; both opened by enlace.load. weights: decode weights as `enlace serve
+    --weights` (None: the fp32 weights as loaded, through torch's own kernels)."""
     from ..load import load_model
 
     if spec is not None:
-        loaded = load_model(spec, flag="--assistant", weights=weights)
+        loaded = load_model(spec, adapter, flag="--assistant", weights=weights)
         tok = loaded.hf_tokenizer("enlace judge")
+        with_adapter = f"+ adapter {adapter}" if adapter else "(no adapter)"
         return Assistant(
             loaded.name, loaded.model, tok, loaded.chat_template, loaded.stops, loaded.eos_ids,
-            f"{Path(loaded.preamble.base).name}, preamble {spec} (no adapter){_decoded(loaded, weights)}",
+            f"{Path(loaded.preamble.base).name}, preamble {spec} {with_adapter}{_decoded(loaded, weights)}",
             loaded.copy,
         )  # fmt: skip
     if model_dir is None:

@@ -139,8 +139,6 @@ def _judge(args: argparse.Namespace) -> int:
         return 0
     if (args.assistant is None) == (args.model is None):
         raise EnlaceError("enlace judge: give one of --assistant SPEC or --model FOLDER")
-    if args.adapter and not args.model:
-        raise EnlaceError("enlace judge: --adapter needs --model")
     decodings = [d.strip() for d in args.decodings.split(",") if d.strip()]
     for d in decodings:
         decoding(d, CHAT_SAMPLING)  # a bad name fails before the model loads
@@ -300,7 +298,11 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--assistant", default=None, help="a preamble spec (configs/assistant/NAME.yaml)")
     p.add_argument("--model", default=None, help="or a model folder answering in its chat template")
-    p.add_argument("--adapter", default=None, help="with --model: a LoRA adapter folder")
+    p.add_argument(
+        "--adapter", default=None,
+        help="a LoRA adapter folder: with --model, answering in the chat template; with --assistant, on the "
+        "spec's base in its format (an adapter trained with finetune.preamble)",
+    )  # fmt: skip
     p.add_argument(
         "--weights", default="auto", choices=values(DecodeWeights),
         help="decode weights, as `enlace serve --weights` (default auto, as the server answers on this CPU)",

@@ -2,13 +2,17 @@
 
 Formats: dolly JSONL (instruction, context, response[, category]) and chat JSONL ({"messages": [...]}).
 Each conversation is rendered with the model's chat template; labels are the token ids inside assistant
-turns and IGNORE_INDEX everywhere else. Examples longer than max_len are dropped and counted, never cut.
+turns and IGNORE_INDEX everywhere else. Or, with a preamble spec (finetune.preamble), as the served preamble
+assistant renders it: the prompt `spec.encode` gives for the turns before the last answer, then that answer
+and its end ("\n\nUsuario:"), the only labelled ids. Examples longer than max_len are dropped and counted,
+never cut.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +20,9 @@ from ..errors import DataError
 from ..hf.tokenizer import HFTokenizer, Message
 from ..io import iter_jsonl
 from ..model import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from ..load.preamble import PreambleSpec
 
 ROLES = ("system", "user", "assistant")
 
@@ -125,10 +132,25 @@ def encode_conversation(tok: HFTokenizer, messages: list[Message]) -> Example:
     return Example(ids, labels)
 
 
-def build_dataset(tok: HFTokenizer, conversations: list[list[Message]], max_len: int) -> Dataset:
+def encode_preamble_conversation(tok: HFTokenizer, spec: PreambleSpec, messages: list[Message]) -> Example:
+    """The conversation as the preamble assistant serves it (PreambleSpec.training_ids): the loss covers its
+    last answer and that answer's end; earlier turns are prompt. No answer to learn: no labels."""
+    if not messages or messages[-1]["role"] != "assistant":
+        ids = spec.encode(tok, messages)
+        return Example(ids, [IGNORE_INDEX] * len(ids))
+    prompt, answer = spec.training_ids(tok, messages)
+    return Example(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer)
+
+
+def build_dataset(
+    tok: HFTokenizer, conversations: list[list[Message]], max_len: int, preamble: PreambleSpec | None = None
+) -> Dataset:
     ds = Dataset(examples=[], total=len(conversations))
     for msgs in conversations:
-        ex = encode_conversation(tok, msgs)
+        if preamble is None:
+            ex = encode_conversation(tok, msgs)
+        else:
+            ex = encode_preamble_conversation(tok, preamble, msgs)
         if len(ex.input_ids) > max_len:
             ds.dropped_too_long += 1
             continue
@@ -141,9 +163,15 @@ def build_dataset(tok: HFTokenizer, conversations: list[list[Message]], max_len:
 
 
 def load_dataset(
-    tok: HFTokenizer, path: Path, fmt: str, max_len: int, limit: int | None = None, system: str | None = None
+    tok: HFTokenizer,
+    path: Path,
+    fmt: str,
+    max_len: int,
+    limit: int | None = None,
+    system: str | None = None,
+    preamble: PreambleSpec | None = None,
 ) -> Dataset:
-    ds = build_dataset(tok, read_conversations(path, fmt, system, limit), max_len)
+    ds = build_dataset(tok, read_conversations(path, fmt, system, limit), max_len, preamble)
     if not ds.examples:
         raise DataError(f"{path}: every example was dropped ({ds.report()}); raise max_len?")
     return ds

@@ -12,7 +12,7 @@ import torch
 
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
-from ..errors import EnlaceError
+from ..errors import ConfigError, EnlaceError
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
 from ..load import add_adapter, load_model
@@ -117,6 +117,11 @@ def judged_rows(questions: list, after: dict | None, before: dict | None) -> tup
 
 
 def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None = None) -> dict:
+    if cfg.preamble is not None:  # its answers here would be in the chat template, not the preamble's format
+        raise ConfigError(
+            "finetune", "preamble", "finetune-eval answers in the chat template; judge an adapter trained "
+            f"in a preamble's format with `enlace judge --assistant {cfg.preamble} --adapter ADAPTER`",
+        )  # fmt: skip
     setup_runtime(hw)
     adapter = Path(adapter or Path(cfg.out) / "adapter")
     if not (adapter / "adapter_config.json").exists():

@@ -22,9 +22,11 @@ from ..config import Config, save_resolved
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
 from ..config.resolve import stable_hash
+from ..errors import ConfigError
 from ..hf import folder as hf_module
 from ..io import sha256_file
 from ..load import load_model
+from ..load.preamble import PreambleSpec, load_spec
 from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
 from ..runtime import resolve_hardware
 from ..train import dist as D
@@ -89,17 +91,32 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
             "code": code_fingerprint(STEP_CODE),
         }
     )
+    if cfg.preamble is not None:  # the preamble's text is part of every training example
+        keys["preamble.fingerprint"] = sha256_file(Path(cfg.preamble))[:16]
     return RunIdentity(keys, steps_key="finetune.max_steps")
+
+
+def training_preamble(cfg: FinetuneConfig) -> PreambleSpec | None:
+    """The layer's preamble spec, which must align the layer's own base (its adapter is served on it)."""
+    if cfg.preamble is None:
+        return None
+    spec = load_spec(cfg.preamble)
+    if Path(spec.base).resolve() != Path(cfg.base_model).resolve():
+        raise ConfigError(
+            "finetune", "preamble", f"{cfg.preamble} aligns {spec.base}, not base_model {cfg.base_model}"
+        )
+    return spec
 
 
 def prepare(cfg: FinetuneConfig, device: torch.device):
     """Base model with fresh adapters (seeded), tokenizer and training data."""
+    spec = training_preamble(cfg)  # a bad spec fails before the model loads
     base = load_model(cfg.base_model, device=device, flag="finetune.base_model")
     model, tok = base.model, base.hf_tokenizer("finetune")
     torch.manual_seed(cfg.seed)
     inject_lora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout)
     data = load_dataset(
-        tok, Path(cfg.train_data), cfg.format, cfg.max_len, cfg.max_examples or None, cfg.system_prompt
+        tok, Path(cfg.train_data), cfg.format, cfg.max_len, cfg.max_examples or None, cfg.system_prompt, spec
     )
     return model, tok, data
 

@@ -90,7 +90,7 @@ class Loaded:
     @property
     def name(self) -> str:
         if self.preamble is not None:
-            return self.preamble.name
+            return self.preamble.name + adapter_suffix(self.ref.adapter)
         return model_name(self.ref.path, self.ref.adapter)
 
     @property
@@ -132,10 +132,15 @@ def model_name(path: Path, adapter: Path | None) -> str:
     "+finetune")."""
     path = Path(path).resolve()
     name = path.stem if path.suffix.lower() == ".gguf" else path.name
-    if adapter is not None:
-        a = Path(adapter).resolve()
-        name += "+" + (a.parent.name if a.name == "adapter" else a.name)
-    return name
+    return name + adapter_suffix(adapter)
+
+
+def adapter_suffix(adapter: Path | None) -> str:
+    """ "+" and the adapter's run (runs/finetune/adapter -> "+finetune"); "" without one."""
+    if adapter is None:
+        return ""
+    a = Path(adapter).resolve()
+    return "+" + (a.parent.name if a.name == "adapter" else a.name)
 
 
 def add_adapter(model: Llama, adapter: Path, base: str | Path, merge: bool = True) -> Llama:
@@ -175,12 +180,14 @@ def _open_gguf(ref: ModelRef, device: str) -> Loaded:
 
 
 def _open_preamble(ref: ModelRef, device: str) -> Loaded:
-    """The spec's base folder, with the spec rendering every chat: no adapter, no training."""
+    """The spec's base folder, with the spec rendering every chat; plus an adapter when one is given (trained
+    in the spec's format: finetune.preamble)."""
     spec = load_spec(ref.path)
-    base = locate(spec.base, None, f"{ref.path}: base")
+    base = locate(spec.base, ref.adapter, f"{ref.path}: base")
     if base.kind != "hf":
         raise ModelError(f"{ref.path}: base {spec.base} is not a Hugging Face model folder")
-    loaded = _open_hf(base, base.path, device, f"{spec.base}, aligned in context by {ref.path} (no adapter)")
+    what = f"{spec.base}, aligned in context by {ref.path}" + ("" if ref.adapter else " (no adapter)")
+    loaded = _open_hf(base, base.path, device, what)
     loaded.ref, loaded.preamble, loaded.generation = ref, spec, CHAT
     loaded.copy = spec.copy_table(loaded.tokenizer)
     return loaded

@@ -62,11 +62,8 @@ def locate(path: str | Path, adapter: str | Path | None = None, flag: str = "--m
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix in (".yaml", ".yml"):
-            if chosen is not None:
-                raise ModelError(
-                    f"--adapter {chosen}: an assistant spec ({path}) serves its base with no adapter"
-                )
-            return ModelRef("preamble", path)
+            # An adapter goes on the spec's base: one trained in the preamble's format (finetune.preamble).
+            return ModelRef("preamble", path, chosen)
         if suffix != ".gguf":
             raise ModelError(f"{flag} {path}: not a folder ({WHAT})")
         return ModelRef("gguf", path, chosen)

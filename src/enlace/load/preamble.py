@@ -88,10 +88,60 @@ class PreambleSpec(Strict):
     def encode(self, tok: Any, messages: list[dict[str, str]]) -> list[int]:
         """Prompt ids for the base's tokenizer (an enlace.hf.tokenizer.HFTokenizer): the start token, then the
         rendered text without the tokenizer's own special tokens."""
+        return self._start_ids(tok) + tok.encode(self.render(messages), add_special_tokens=False)
+
+    def _start_ids(self, tok: Any) -> list[int]:
         start = [] if self.start is None else [tok.token_id(self.start)]
         if None in start:
             raise EnlaceError(f"assistant {self.name}: the tokenizer has no start token {self.start!r}")
-        return start + tok.encode(self.render(messages), add_special_tokens=False)
+        return start
+
+    @property
+    def answer_end(self) -> str:
+        """What follows an answer up to where serving cuts it: the rest of its turn and the next user turn's
+        head, through the first stop string found there ("\n\nUsuario:"). A fine-tune in this format
+        (finetune.preamble) is taught to write it, so that its answers end as the base's do."""
+        tail = self.assistant.split(CONTENT)[1] + self.user.split(CONTENT)[0].rstrip(" ")
+        hits = sorted((i, i + len(s)) for s in self.stop if (i := tail.find(s)) >= 0)
+        if not hits:
+            raise EnlaceError(
+                f"assistant {self.name}: no stop string occurs between an answer and the next user turn "
+                f"({tail!r}), so a taught answer could never end"
+            )
+        return tail[: hits[0][1]]
+
+    def answer_ids(self, tok: Any, text: str) -> list[int]:
+        """`text` tokenised as the model writes it: in place after the answer prefix, less the prefix's own
+        ids (a merge across the prefix's end stays with the text)."""
+        head = tok.encode(self.answer_prefix, add_special_tokens=False)
+        ids = tok.encode(self.assistant.split(CONTENT)[0] + text, add_special_tokens=False)
+        shared = 0
+        while shared < min(len(head), len(ids)) and head[shared] == ids[shared]:
+            shared += 1
+        return ids[shared:]
+
+    def training_ids(self, tok: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """A conversation ending in an assistant turn as a fine-tune in this format sees it: the prompt ids
+        serving feeds for the turns before it (`encode`, the same call), and the ids of the answer and its end
+        (`answer_end`), which the model is taught to write. The joint text is tokenised once; its prompt part
+        must be the served prompt's ids, or the training text would differ from what serving feeds."""
+        if not messages or messages[-1].get("role") != "assistant":
+            raise EnlaceError(
+                f"assistant {self.name}: a training conversation must end with an assistant turn"
+            )
+        answer = messages[-1].get("content")
+        if not isinstance(answer, str) or not answer.strip():
+            raise EnlaceError(f"assistant {self.name}: the last assistant turn has no text")
+        prompt = self.encode(tok, messages[:-1])
+        head = self.assistant.split(CONTENT)[0][len(self.answer_prefix) :]  # the space the model writes
+        text = self.render(messages[:-1]) + head + answer.strip() + self.answer_end
+        whole = self._start_ids(tok) + tok.encode(text, add_special_tokens=False)
+        if whole[: len(prompt)] != prompt:
+            raise EnlaceError(
+                f"assistant {self.name}: the answer's first token merges with the prompt's end "
+                f"({self.answer_prefix!r}); the training text would not start with the served prompt"
+            )
+        return prompt, whole[len(prompt) :]
 
     def copy_table(self, tok: Any) -> CopyTable | None:
         """The example answers' runs of copy_guard + 1 tokens, tokenised as the model writes them (after the
@@ -100,15 +150,7 @@ class PreambleSpec(Strict):
 
         if self.copy_guard == 0:
             return None
-        head = tok.encode(self.answer_prefix, add_special_tokens=False)
-        answers = []
-        for e in self.examples:
-            text = self.assistant.split(CONTENT)[0] + e.assistant
-            ids = tok.encode(text, add_special_tokens=False)
-            shared = 0  # the ids the answer prefix alone has: a merge across its end stays with the answer
-            while shared < min(len(head), len(ids)) and head[shared] == ids[shared]:
-                shared += 1
-            answers.append(ids[shared:])
+        answers = [self.answer_ids(tok, e.assistant) for e in self.examples]
         return CopyTable(self.copy_guard, answers, self.encode(tok, []))
 
     def stop_ids(self, tok: Any) -> tuple[int, ...]:
