@@ -113,6 +113,11 @@ def test_the_adapter_is_served_and_judged_on_the_specs_base(tiny, tmp_path, caps
     out = tmp_path / "run"
     finetune(cfg_for(tiny, out), HW, progress=False)
     adapter = out / "adapter"
+    # The manifest records the spec's text it learnt (enlace serve adds it to that spec only while unchanged).
+    from enlace.io import sha256_file
+    from enlace.manifest import read_manifest
+
+    assert read_manifest(adapter / "manifest.json")["provenance"]["preamble_sha256"] == sha256_file(spec_path)
     plain, tuned = load_assistant(spec_path), load_assistant(spec_path, adapter=adapter)
     msgs = [{"role": "user", "content": "¿Dónde está el gato?"}]
     ids = torch.tensor([tuned.encode(msgs)])

@@ -293,3 +293,31 @@ def test_serve_answers_with_the_imported_preamble_by_default(folder, tmp_path, m
     served = load_served(None, None, finetune_default, weights="fp32")
     assert served.name == "tiny-preamble" and served.stops == ("\nUsuario:",)
     assert "aligned in context" in served.source and served.encode_chat is not None
+
+
+def test_serve_adds_the_lora_trained_in_the_specs_present_format(
+    folder, adapter, tmp_path, monkeypatch, capsys
+):
+    """`make assistant`'s adapter joins the default spec only while the spec is the text it was trained with."""
+    import shutil
+
+    from enlace.io import sha256_file
+    from enlace.lora import inject_lora, save_adapter
+    from enlace.paths import DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER
+    from enlace.serve.loader import load_served, resolve
+
+    monkeypatch.chdir(tmp_path)
+    spec = write_spec(tmp_path / DEFAULT_ASSISTANT, folder)
+    lora = tmp_path / DEFAULT_ASSISTANT_ADAPTER
+    model = load_hf_folder(folder)
+    inject_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8)
+    save_adapter(model, lora, str(folder), {"preamble_sha256": sha256_file(spec)})
+    none = lambda: (folder, tmp_path / "none")  # noqa: E731
+    assert resolve(None, None, none) == ("preamble", DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER)
+    served = load_served(None, None, none, weights="fp32")
+    assert served.name == "tiny-preamble+assistant-preamble-mid" and "aligned in context" in served.source
+    spec.write_text(spec.read_text(encoding="utf-8") + "# edited\n", encoding="utf-8")
+    assert resolve(None, None, none) == ("preamble", DEFAULT_ASSISTANT, None)  # trained for another text
+    assert "not serving" in capsys.readouterr().err
+    shutil.rmtree(lora)
+    assert resolve(None, None, none) == ("preamble", DEFAULT_ASSISTANT, None) and not capsys.readouterr().err

@@ -224,7 +224,13 @@ class FinetuneTask:
         cfg_hash = (
             self.resolved.hash if self.resolved is not None else stable_hash(self.cfg.model_dump(mode="json"))
         )
-        save_adapter(model, run_dir / "adapter", self.cfg.base_model, {"config_hash": cfg_hash})
+        trained_in = {}
+        if self.cfg.preamble is not None:  # served only with this spec's text (serve.loader.default_adapter)
+            trained_in = {
+                "preamble": self.cfg.preamble,
+                "preamble_sha256": sha256_file(Path(self.cfg.preamble)),
+            }
+        save_adapter(model, run_dir / "adapter", self.cfg.base_model, {"config_hash": cfg_hash, **trained_in})
         print(f"adapter written to {run_dir / 'adapter'}", flush=True)
 
 

@@ -17,7 +17,7 @@ from ..errors import EnlaceError
 from ..generate import CopyTable
 from ..hf.tokenizer import Message
 from ..load import Loaded, TextStream, locate, model_name
-from ..paths import DEFAULT_ASSISTANT
+from ..paths import DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER
 
 
 @dataclass
@@ -62,9 +62,10 @@ def _token_text(loaded: Loaded) -> Callable[[int], str]:
 
 def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[Path, Path]]) -> tuple:
     """(kind, path, adapter) for --model/--adapter, as enlace.load.locate tells them. No --model: the in-context
-    assistant (paths.DEFAULT_ASSISTANT) once its base is imported, else `default()`'s base and adapter."""
+    assistant (paths.DEFAULT_ASSISTANT) once its base is imported, with the LoRA trained in its format when
+    `make assistant` made one for its present text (default_adapter); else `default()`'s base and adapter."""
     if model is None and adapter is None and _preamble_ready(DEFAULT_ASSISTANT):
-        return "preamble", DEFAULT_ASSISTANT, None
+        return "preamble", DEFAULT_ASSISTANT, default_adapter(DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER)
     if model is None:
         base, adapter_dir = default()
         if not (adapter_dir / "adapter_config.json").exists():
@@ -80,9 +81,35 @@ def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[
     return ref.kind, ref.path, ref.adapter
 
 
+def default_adapter(spec: Path, adapter: Path) -> Path | None:
+    """`adapter` when it was trained in `spec`'s format with the spec's present text (its manifest says so),
+    else None: a spec edited since would be served with an adapter that learnt another preamble, so the
+    spec is served alone, and a line on stderr says why. The adapter's files are verified when it loads."""
+    import sys
+
+    from ..io import sha256_file
+    from ..manifest import read_manifest
+
+    if not (adapter / "adapter_config.json").exists():
+        return None
+    try:
+        trained = read_manifest(adapter / "manifest.json").get("provenance", {}).get("preamble_sha256")
+    except EnlaceError as e:
+        trained = None
+        print(f"warning: {e}", file=sys.stderr)
+    if trained != sha256_file(spec):
+        print(f"warning: not serving {adapter}: it was not trained with {spec} as it is now (`make assistant` "
+              "trains it again); serving the spec alone", file=sys.stderr, flush=True)  # fmt: skip
+        return None
+    return adapter
+
+
 def default_in_words(adapter_dir: Path) -> str:
     """What `enlace serve` without --model would answer with now, in words (the end of `enlace report`)."""
     if _preamble_ready(DEFAULT_ASSISTANT):
+        lora = default_adapter(DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER)
+        if lora is not None:
+            return f"the in-context assistant {DEFAULT_ASSISTANT} with the LoRA {lora} trained in its format"
         return (
             f"the in-context assistant {DEFAULT_ASSISTANT} (the Gemma 3 270M base, no adapter, no training)"
         )
