@@ -14,9 +14,9 @@ import pytest
 import torch
 from gemma_helpers import tiny_gemma_folder
 
+from enlace.config.extra import CHAT_SAMPLING
 from enlace.errors import ConfigError
 from enlace.finetune.assistant import load_assistant, reply
-from enlace.finetune.chat import CHAT_SAMPLING
 from enlace.generate import CopyTable, RepeatGuard, generate
 from enlace.hf.tokenizer import HFTokenizer
 from enlace.load import load_model

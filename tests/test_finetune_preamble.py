@@ -114,10 +114,13 @@ def test_the_adapter_is_served_and_judged_on_the_specs_base(tiny, tmp_path, caps
     finetune(cfg_for(tiny, out), HW, progress=False)
     adapter = out / "adapter"
     # The manifest records the spec's text it learnt (enlace serve adds it to that spec only while unchanged).
-    from enlace.io import sha256_file
+    from enlace.load.preamble import load_spec
     from enlace.manifest import read_manifest
 
-    assert read_manifest(adapter / "manifest.json")["provenance"]["preamble_sha256"] == sha256_file(spec_path)
+    trained = read_manifest(adapter / "manifest.json")["provenance"]
+    assert (
+        trained["preamble_text_sha256"] == load_spec(spec_path).text_fingerprint() and trained["steps"] == 3
+    )
     plain, tuned = load_assistant(spec_path), load_assistant(spec_path, adapter=adapter)
     msgs = [{"role": "user", "content": "¿Dónde está el gato?"}]
     ids = torch.tensor([tuned.encode(msgs)])

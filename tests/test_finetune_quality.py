@@ -14,7 +14,7 @@ from helpers import make_folder, write_jsonl
 from enlace.cli import main
 from enlace.config.model import ModelConfig
 from enlace.errors import DataError, EnlaceError
-from enlace.finetune.chat import CHAT_SAMPLING, chat_repl
+from enlace.finetune.chat import chat_repl
 from enlace.finetune.data import read_conversations
 from enlace.finetune.text_checks import answer_checks, distinct_2, is_spanish, loops
 from enlace.generate import RepeatGuard, generate
@@ -84,13 +84,6 @@ def test_bad_sampling_options_are_refused_before_loading_a_model(argv, needle, c
     assert main([*argv, "--model", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
-
-
-def test_chat_cli_defaults_are_the_chat_sampling_defaults():
-    from enlace.cli import build_parser
-
-    args = build_parser().parse_args(["chat"])
-    assert {k: getattr(args, k) for k in CHAT_SAMPLING} == CHAT_SAMPLING
 
 
 @pytest.fixture(scope="module")

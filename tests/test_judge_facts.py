@@ -199,8 +199,8 @@ def test_a_bad_spec_is_one_line_naming_file_and_field(tmp_path):
 def test_judge_run_on_a_preamble_assistant(tmp_path):
     """The whole path on a random tiny Gemma: the spec's assistant answers, each answer is judged, ends at a
     stop or the budget, and the partial result is handed over after every answer."""
+    from enlace.config.extra import CHAT_SAMPLING
     from enlace.finetune.assistant import judge_assistant, load_assistant, summary_table
-    from enlace.finetune.chat import CHAT_SAMPLING
     from enlace.finetune.judge import interleave
 
     folder = tiny_gemma_folder(tmp_path / "g")

@@ -176,7 +176,7 @@ def test_commands_refuse_a_model_they_cannot_use(run_dir, adapter, capsys):
 
 
 def test_sampling_defaults_come_from_one_place():
-    from enlace.finetune.chat import CHAT_SAMPLING
+    from enlace.config.extra import CHAT_SAMPLING
 
     chat = build_parser().parse_args(["chat"])
     gen = build_parser().parse_args(["generate", "hola"])
@@ -189,7 +189,11 @@ def test_sampling_defaults_come_from_one_place():
         "no_repeat_ngram",
         "seed",
     )
-    assert {k: getattr(chat, k) for k in keys} == CHAT.model_dump(include=set(keys))
+    # `enlace chat` leaves the sampler to the model (Loaded.chat_sampling: CHAT's, or an assistant spec's).
+    assert {k: getattr(chat, k) for k in ("max_new_tokens", "seed")} == CHAT.model_dump(
+        include={"max_new_tokens", "seed"}
+    )
+    assert all(getattr(chat, k) is None for k in CHAT_SAMPLING)
     assert {k: getattr(gen, k) for k in keys[:4]} == GENERATE.model_dump(include=set(keys[:4]))
     assert CHAT_SAMPLING == CHAT.model_dump(include=set(CHAT_SAMPLING))  # serve's request defaults
     ft = FinetuneConfig(name="x").generation
@@ -239,6 +243,58 @@ def test_assistant_spec_opens_its_base_with_the_preamble(folder, tmp_path):
     )
     # An adapter goes on the spec's base (one trained in its format: tests/test_finetune_preamble.py).
     assert locate(spec_path, adapter=tmp_path) == ModelRef("preamble", spec_path, tmp_path)
+
+
+def test_a_spec_sets_how_its_replies_sample_where_a_request_does_not(folder, tmp_path):
+    """An assistant spec's `sampling:` replaces CHAT's sampler in `enlace chat` and in the server's requests
+    (a request's own value still wins); a bad value is refused naming the file and the field."""
+    import io
+
+    from enlace.config.extra import CHAT_SAMPLING
+    from enlace.errors import ConfigError
+    from enlace.finetune.assistant import load_assistant, reply
+    from enlace.finetune.chat import chat_repl
+    from enlace.load.preamble import load_spec
+    from enlace.serve.engine import Engine
+    from enlace.serve.handlers import Limits, Serving
+    from enlace.serve.loader import load_served
+    from enlace.serve.schema import ChatRequest
+
+    plain = write_spec(tmp_path / "plain.yaml", folder)
+    greedy_spec = tmp_path / "greedy.yaml"
+    greedy_spec.write_text(
+        plain.read_text(encoding="utf-8") + "sampling:\n  temperature: 0.0\n", encoding="utf-8"
+    )
+    assert load_model(plain).chat_sampling == CHAT_SAMPLING
+    assert load_model(greedy_spec).chat_sampling == {**CHAT_SAMPLING, "temperature": 0.0}
+
+    def chat(spec_path: Path, seed: int) -> str:
+        out = io.StringIO()
+        return chat_repl(
+            load_model(spec_path), io.StringIO(PROMPT + "\n"), out, max_new_tokens=12, seed=seed
+        )[1]["content"]
+
+    greedy_reply = reply(
+        load_assistant(plain), PROMPT, {**CHAT_SAMPLING, "temperature": 0.0, "seed": 0}, 12
+    ).text
+    assert chat(greedy_spec, 0) == chat(greedy_spec, 1) == greedy_reply  # any seed: the spec's greedy
+    sampled = [chat(plain, seed) for seed in range(3)]  # CHAT's sampler: the seed matters on a random model
+    assert sampled[0] == reply(load_assistant(plain), PROMPT, {**CHAT_SAMPLING, "seed": 0}, 12).text
+    assert len(set(sampled)) > 1
+
+    msgs = [{"role": "user", "content": PROMPT}]
+    for spec_path, default in ((greedy_spec, 0.0), (plain, CHAT_SAMPLING["temperature"])):
+        served = load_served(str(spec_path), None, default=None, weights="fp32")
+        serving = Serving(Engine(served), Limits())
+        ids = served.encode_chat(msgs)
+        assert serving.gen_request(ChatRequest(messages=msgs), ids, "messages").temperature == default
+        asked = ChatRequest(messages=msgs, temperature=0.5)
+        assert serving.gen_request(asked, ids, "messages").temperature == 0.5
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(plain.read_text(encoding="utf-8") + "sampling:\n  temperature: -1\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*sampling\.temperature"):
+        load_spec(bad)
 
 
 def test_chat_answers_through_a_specs_preamble_and_stops_as_the_judge_does(folder, tmp_path):
@@ -301,7 +357,7 @@ def test_serve_adds_the_lora_trained_in_the_specs_present_format(
     """`make assistant`'s adapter joins the default spec only while the spec is the text it was trained with."""
     import shutil
 
-    from enlace.io import sha256_file
+    from enlace.load.preamble import load_spec
     from enlace.lora import inject_lora, save_adapter
     from enlace.paths import DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER
     from enlace.serve.loader import load_served, resolve
@@ -311,12 +367,19 @@ def test_serve_adds_the_lora_trained_in_the_specs_present_format(
     lora = tmp_path / DEFAULT_ASSISTANT_ADAPTER
     model = load_hf_folder(folder)
     inject_lora(model, ["q_proj", "v_proj"], rank=4, alpha=8)
-    save_adapter(model, lora, str(folder), {"preamble_sha256": sha256_file(spec)})
+    save_adapter(model, lora, str(folder), {"preamble_text_sha256": load_spec(spec).text_fingerprint()})
     none = lambda: (folder, tmp_path / "none")  # noqa: E731
     assert resolve(None, None, none) == ("preamble", DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER)
     served = load_served(None, None, none, weights="fp32")
     assert served.name == "tiny-preamble+assistant-preamble-mid" and "aligned in context" in served.source
-    spec.write_text(spec.read_text(encoding="utf-8") + "# edited\n", encoding="utf-8")
+    # A comment, the copy guard or the sampler leave the text the adapter learnt as it was.
+    spec.write_text(
+        spec.read_text(encoding="utf-8") + "# edited\ncopy_guard: 2\nsampling:\n  temperature: 0.0\n",
+        encoding="utf-8",
+    )
+    assert resolve(None, None, none) == ("preamble", DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER)
+    assert not capsys.readouterr().err
+    spec.write_text(spec.read_text(encoding="utf-8").replace("Azul.", "Es azul."), encoding="utf-8")
     assert resolve(None, None, none) == ("preamble", DEFAULT_ASSISTANT, None)  # trained for another text
     assert "not serving" in capsys.readouterr().err
     shutil.rmtree(lora)

@@ -66,12 +66,14 @@ def test_models_and_health(server, client):
     assert h["status"] == "ok" and h["model"] == "base+finetune" and h["slots"] == 1 and h["queue"] == 1
     status, _, body = server.request("GET", "/health", auth=False)  # without the key: whether it serves
     assert status == 200 and json.loads(body) == {"status": "ok"}
-    assert "serving base+finetune" in server.log_text() and "with the LoRA adapter" in server.log_text()
+    # What answers, down to how long its adapter trained (the adapter's manifest records the steps).
+    assert "serving base+finetune" in server.log_text()
+    assert "/runs/finetune/adapter (3 steps)" in server.log_text()
 
 
 def ours(project, messages, max_new):
     """What ENLACE's own generate() answers, greedy with the server's default repetition controls."""
-    from enlace.finetune.chat import CHAT_SAMPLING
+    from enlace.config.extra import CHAT_SAMPLING
     from enlace.generate import decode_weights, generate
     from enlace.hf.tokenizer import StreamDecoder
     from enlace.load import load_model

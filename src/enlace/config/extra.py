@@ -27,6 +27,26 @@ GENERATE = GenerationConfig(max_new_tokens=64)
 CHAT = GenerationConfig(
     max_new_tokens=256, temperature=0.7, top_k=0, top_p=0.9, repetition_penalty=1.1, no_repeat_ngram=4
 )
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram")
+# A reply's sampler when neither the request nor the assistant sets one (`enlace serve`, `enlace chat`).
+CHAT_SAMPLING = CHAT.model_dump(include=set(SAMPLING_KEYS))
+
+
+class SamplingDefaults(Strict):
+    """An assistant's own sampling defaults (a preamble spec's `sampling:`): each value set replaces CHAT's
+    where a request leaves it unset; None keeps CHAT's."""
+
+    temperature: StrictFloat | None = Field(default=None, ge=0)  # 0: greedy
+    top_k: StrictInt | None = Field(default=None, ge=0)
+    top_p: StrictFloat | None = Field(default=None, gt=0, le=1)
+    repetition_penalty: StrictFloat | None = Field(default=None, ge=1)
+    no_repeat_ngram: StrictInt | None = Field(default=None, ge=0)
+
+    def over_chat(self) -> dict[str, float | int]:
+        """The sampler a reply takes by default: CHAT's, with what is set here instead."""
+        return {**CHAT_SAMPLING, **self.model_dump(exclude_none=True)}
+
+
 # finetune-eval answers the fixed prompts as `enlace chat` would, seeded, with a shorter budget.
 FINETUNE_EVAL = CHAT.model_copy(update={"max_new_tokens": 96})
 

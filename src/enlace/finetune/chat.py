@@ -15,11 +15,6 @@ from ..load.preamble import StopScanner
 if TYPE_CHECKING:
     from ..load import Loaded
 
-# `enlace chat` decoding, as config.extra.CHAT defines it (the repetition controls and why: there).
-CHAT_SAMPLING = CHAT.model_dump(
-    include={"temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram"}
-)
-
 
 def stream_reply(
     loaded: Loaded,
@@ -81,10 +76,11 @@ def chat_repl(
 ) -> list[Message]:
     """Read user turns from `inp` until EOF or /exit; keep the whole conversation as context.
 
-    `sampling` overrides CHAT_SAMPLING (temperature, top_k, top_p, repetition_penalty, no_repeat_ngram).
+    `sampling` overrides the model's own defaults (Loaded.chat_sampling: CHAT_SAMPLING, or an assistant
+    spec's): temperature, top_k, top_p, repetition_penalty, no_repeat_ngram.
     """
     inp, out = inp or sys.stdin, out or sys.stdout  # looked up per call: a redirected stdin counts
-    sampling = {**CHAT_SAMPLING, **sampling}
+    sampling = {**loaded.chat_sampling, **sampling}
     messages: list[Message] = [{"role": "system", "content": system}] if system else []
     interactive = inp.isatty()
     turn = lineno = 0

@@ -120,9 +120,9 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
 
 def _judge(args: argparse.Namespace) -> int:
+    from ..config.extra import CHAT_SAMPLING
     from ..io import atomic_write_json
     from .assistant import decoding, judge_assistant, load_assistant, summary_table
-    from .chat import CHAT_SAMPLING
     from .judge import interleave, read_questions
 
     if args.rejudge:
@@ -158,11 +158,11 @@ def _judge(args: argparse.Namespace) -> int:
 
 
 def _distill(args: argparse.Namespace) -> int:
+    from ..config.extra import CHAT_SAMPLING
     from ..generate import prefill
     from ..io import sha256_file
     from ..load.preamble import load_spec
     from .assistant import load_assistant, replies
-    from .chat import CHAT_SAMPLING
     from .distill import COPY_SHARE, DATA_FILE, LENGTH, distill, read_distill_questions, write_distilled
     from .judge import interleave
 
@@ -181,7 +181,7 @@ def _distill(args: argparse.Namespace) -> int:
     a = load_assistant(spec_path)
     log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
 
-    # The serving default sampler, seeds 0 to SAMPLES-1: a question's samples are decoded together (the
+    # The chat sampler (CHAT_SAMPLING), seeds 0 to SAMPLES-1: a question's samples are decoded together (the
     # weights read once a step for all of them), after the preamble's keys and values, computed once.
     prefix = prefill(a.model, a.encode([{"role": "user", "content": ""}]))
     drawn: dict[str, list] = {}
@@ -222,12 +222,14 @@ def _distill(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import sys
 
+    from ..config.extra import CHAT_SAMPLING, SAMPLING_KEYS
     from ..generate import check_sampling
     from ..load import load_model
     from .chat import chat_repl
 
-    sampling = {k: getattr(args, k) for k in CHAT_SAMPLING_KEYS}
-    check_sampling(max_new_tokens=args.max_new_tokens, **sampling)  # before the model loads
+    # Only the flags given: the rest are the model's own defaults (an assistant spec may set its sampler).
+    sampling = {k: getattr(args, k) for k in SAMPLING_KEYS if getattr(args, k) is not None}
+    check_sampling(max_new_tokens=args.max_new_tokens, **{**CHAT_SAMPLING, **sampling})  # before loading
     if hasattr(sys.stdin, "reconfigure"):
         # Bad bytes become lone surrogates line by line (a strict decoder fails a whole buffered chunk
         # at once, naming the wrong line); chat_repl then refuses the line that holds them.
@@ -239,9 +241,6 @@ def _chat(args: argparse.Namespace) -> int:
         )
     chat_repl(loaded, system=args.system, max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
     return 0
-
-
-CHAT_SAMPLING_KEYS = ("temperature", "top_k", "top_p", "repetition_penalty", "no_repeat_ngram")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -314,7 +313,8 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--decodings", default="greedy,sample-0,sample-1",
         help="comma-separated: greedy (temperature 0 with the serving repetition controls) and sample-N (the "
-        "serving default sampler, seed N); default greedy,sample-0,sample-1",
+        "chat sampler, temperature 0.7, seed N: what a request gets from a model with no sampler of its own); "
+        "default greedy,sample-0,sample-1",
     )  # fmt: skip
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=0, help="the first N questions only (0: all)")
@@ -366,19 +366,18 @@ def _register_chat(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--adapter", default=None, help="LoRA adapter folder (PEFT layout)")
     p.add_argument("--system", default=None, help="system message")
-    g = CHAT  # the sampling defaults, defined once (config/extra.py)
+    g = CHAT  # the sampling defaults, defined once (config/extra.py); an assistant spec's `sampling:` wins
+    own = "or the assistant spec's"
+    p.add_argument("--temperature", type=float, help=f"0: greedy (default {g.temperature}, {own})")
+    p.add_argument("--top-k", dest="top_k", type=int, help=f"0: off (default {g.top_k}, {own})")
+    p.add_argument("--top-p", dest="top_p", type=float, help=f"1: off (default {g.top_p}, {own})")
     p.add_argument(
-        "--temperature", type=float, default=g.temperature, help=f"0: greedy (default {g.temperature})"
-    )
-    p.add_argument("--top-k", dest="top_k", type=int, default=g.top_k, help=f"0: off (default {g.top_k})")
-    p.add_argument("--top-p", dest="top_p", type=float, default=g.top_p, help=f"1: off (default {g.top_p})")
-    p.add_argument(
-        "--repetition-penalty", dest="repetition_penalty", type=float, default=g.repetition_penalty,
-        help=f"divides the logits of tokens this reply already used; 1: off (default {g.repetition_penalty})",
+        "--repetition-penalty", dest="repetition_penalty", type=float,
+        help=f"divides the logits of tokens this reply already used; 1: off (default {g.repetition_penalty}, {own})",
     )  # fmt: skip
     p.add_argument(
-        "--no-repeat-ngram", dest="no_repeat_ngram", type=int, default=g.no_repeat_ngram,
-        help=f"never repeat an n-gram of tokens within a reply; 0: off (default {g.no_repeat_ngram})",
+        "--no-repeat-ngram", dest="no_repeat_ngram", type=int,
+        help=f"never repeat an n-gram of tokens within a reply; 0: off (default {g.no_repeat_ngram}, {own})",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=g.seed)
     p.add_argument("--max-new-tokens", dest="max_new_tokens", type=int, default=g.max_new_tokens)

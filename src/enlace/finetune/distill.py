@@ -2,7 +2,7 @@
 each, and only the answers that pass the judge's checks kept as instruction data.
 
 For every question the in-context assistant (a preamble spec, enlace.load.preamble) answers k times with the
-serving default sampler (finetune.chat.CHAT_SAMPLING), seeds 0 to k-1. A sample passes when it is Spanish,
+chat sampler (config.extra.CHAT_SAMPLING: temperature 0.7), seeds 0 to k-1. A sample passes when it is Spanish,
 does not loop, ended by itself, is within its kind's length bounds and is no copy of one of the preamble's
 example answers (the base's commonest failure: it rewrites the example message whatever the task). A fact
 question has no answer key here, so its answers are kept only when the samples agree: a majority of all k

@@ -92,7 +92,7 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
         }
     )
     if cfg.preamble is not None:  # the preamble's text is part of every training example
-        keys["preamble.fingerprint"] = sha256_file(Path(cfg.preamble))[:16]
+        keys["preamble.fingerprint"] = load_spec(cfg.preamble).text_fingerprint()[:16]
     return RunIdentity(keys, steps_key="finetune.max_steps")
 
 
@@ -224,12 +224,10 @@ class FinetuneTask:
         cfg_hash = (
             self.resolved.hash if self.resolved is not None else stable_hash(self.cfg.model_dump(mode="json"))
         )
-        trained_in = {}
+        trained_in: dict[str, Any] = {"steps": self.cfg.max_steps}  # finish runs once the last step is done
         if self.cfg.preamble is not None:  # served only with this spec's text (serve.loader.default_adapter)
-            trained_in = {
-                "preamble": self.cfg.preamble,
-                "preamble_sha256": sha256_file(Path(self.cfg.preamble)),
-            }
+            trained_in["preamble"] = self.cfg.preamble
+            trained_in["preamble_text_sha256"] = load_spec(self.cfg.preamble).text_fingerprint()
         save_adapter(model, run_dir / "adapter", self.cfg.base_model, {"config_hash": cfg_hash, **trained_in})
         print(f"adapter written to {run_dir / 'adapter'}", flush=True)
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ..config.extra import CHAT, GenerationConfig
+from ..config.extra import CHAT, CHAT_SAMPLING, GenerationConfig
 from ..errors import HardwareError, ModelError
 from ..hf.folder import load_hf_folder
 from ..hf.tokenizer import HFTokenizer, Message, StreamDecoder
@@ -88,6 +88,12 @@ class Loaded:
         return tuple(self.preamble.stop) if self.preamble is not None else ()
 
     @property
+    def chat_sampling(self) -> dict[str, float | int]:
+        """How a reply samples where the request sets nothing: CHAT's sampler, or what an assistant spec's
+        `sampling:` sets instead (`enlace serve`, `enlace chat`)."""
+        return self.preamble.sampling.over_chat() if self.preamble is not None else dict(CHAT_SAMPLING)
+
+    @property
     def name(self) -> str:
         if self.preamble is not None:
             return self.preamble.name + adapter_suffix(self.ref.adapter)
@@ -143,6 +149,14 @@ def adapter_suffix(adapter: Path | None) -> str:
     return "+" + (a.parent.name if a.name == "adapter" else a.name)
 
 
+def adapter_steps(adapter: Path) -> str:
+    """ " (N steps)": how long the adapter trained, where its manifest records it (older ones do not)."""
+    from ..manifest import recorded_provenance
+
+    steps = recorded_provenance(Path(adapter)).get("steps")
+    return f" ({steps} steps)" if isinstance(steps, int) else ""
+
+
 def add_adapter(model: Llama, adapter: Path, base: str | Path, merge: bool = True) -> Llama:
     """Load a LoRA adapter trained on `base` into the model; merged: no extra matmuls per token."""
     from ..lora import load_adapter, set_merged
@@ -162,7 +176,7 @@ def _open_hf(ref: ModelRef, folder: Path, device: str, source: str) -> Loaded:
     model = load_hf_folder(folder, device=device)
     if ref.adapter is not None:
         add_adapter(model, ref.adapter, folder)
-        source += f" with the LoRA adapter {ref.adapter}"
+        source += f" with the LoRA adapter {ref.adapter}" + adapter_steps(ref.adapter)
     generation = CHAT if tok.chat_template is not None else GenerationConfig()
     return Loaded(model.eval(), ref, source, generation, tokenizer=tok, device=str(device))
 

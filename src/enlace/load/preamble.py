@@ -10,6 +10,8 @@ stop strings; `encode` renders messages to prompt ids with the base's own tokeni
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +19,15 @@ import yaml
 from pydantic import Field, StrictInt, ValidationError, field_validator
 
 from ..config.base import Strict
+from ..config.extra import SamplingDefaults
 from ..errors import ConfigError, EnlaceError
 
 if TYPE_CHECKING:
     from ..generate import CopyTable
 
 CONTENT = "{content}"
+# A spec's fields that shape the text a model reads and a fine-tune in its format learns (text_fingerprint).
+TEXT_FIELDS = ("start", "system", "user", "assistant", "examples", "stop")
 
 
 class Turn(Strict):
@@ -45,6 +50,8 @@ class PreambleSpec(Strict):
     # An answer may copy at most this many tokens in a row of an example answer (generate.CopyTable): the next
     # token of such a copy is never sampled. 0: off.
     copy_guard: StrictInt = Field(default=0, ge=0)
+    # How its replies sample where a request sets nothing (`enlace serve`, `enlace chat`); unset: CHAT's.
+    sampling: SamplingDefaults = SamplingDefaults()
 
     @field_validator("user", "assistant")
     @classmethod
@@ -59,6 +66,13 @@ class PreambleSpec(Strict):
         if any(not s for s in v):
             raise ValueError("a stop string may not be empty")
         return v
+
+    def text_fingerprint(self) -> str:
+        """sha256 of the fields that make the prompt and a fine-tune's training text (`training_ids`): an
+        adapter trained in this format fits the spec while they are unchanged; its name, copy guard, sampling
+        and comments may change."""
+        text = self.model_dump(include=set(TEXT_FIELDS), mode="json")
+        return hashlib.sha256(json.dumps(text, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
     @property
     def answer_prefix(self) -> str:

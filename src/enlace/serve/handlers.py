@@ -64,12 +64,6 @@ class Limits:
     queue_timeout: float = 60.0  # seconds a request may wait for a generation slot
 
 
-def _chat_sampling() -> dict[str, Any]:
-    from ..finetune.chat import CHAT_SAMPLING
-
-    return CHAT_SAMPLING
-
-
 def _json(model: BaseModel, status: int = 200) -> JSONResponse:
     return JSONResponse(model.model_dump(mode="json"), status_code=status)
 
@@ -345,7 +339,7 @@ class Serving:
             raise ApiError(400, f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus {req.max_tokens} new tokens "
                            f"exceed the model's context of {context}", param="max_tokens",
                            code="context_length_exceeded")  # fmt: skip
-        defaults = _chat_sampling()
+        defaults = self.served.sampling
         pick = lambda name: getattr(req, name) if getattr(req, name) is not None else defaults[name]  # noqa: E731
         return GenRequest(
             prompt_ids=prompt_ids, max_tokens=req.max_tokens or min(limits.max_tokens, room),

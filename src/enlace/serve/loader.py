@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..config.extra import GenerationConfig
+from ..config.extra import CHAT_SAMPLING, GenerationConfig
 from ..errors import EnlaceError
 from ..generate import CopyTable
 from ..hf.tokenizer import Message
@@ -41,6 +41,8 @@ class Served:
         str, ...
     ] = ()  # strings that end every answer besides the request's (a preamble's next turn)
     copy: CopyTable | None = None  # a preamble's example answers, copied at most copy.n tokens in a row
+    # How a request samples where it sets nothing: CHAT's sampler, or an assistant spec's (Loaded.chat_sampling).
+    sampling: dict = field(default_factory=lambda: dict(CHAT_SAMPLING))
 
     @classmethod
     def from_loaded(cls, loaded: Loaded, name: str) -> Served:
@@ -48,7 +50,7 @@ class Served:
             name=name, source=loaded.source, model=loaded.model, context=loaded.context,
             eos_ids=loaded.eos_ids, encode_text=loaded.encode, encode_chat=loaded.chat_template,
             stream=loaded.stream, weights=loaded.weights, device=loaded.device, generation=loaded.generation,
-            token_text=_token_text(loaded), stops=loaded.stops, copy=loaded.copy,
+            token_text=_token_text(loaded), stops=loaded.stops, copy=loaded.copy, sampling=loaded.chat_sampling,
         )  # fmt: skip
 
 
@@ -82,22 +84,23 @@ def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[
 
 
 def default_adapter(spec: Path, adapter: Path) -> Path | None:
-    """`adapter` when it was trained in `spec`'s format with the spec's present text (its manifest says so),
-    else None: a spec edited since would be served with an adapter that learnt another preamble, so the
-    spec is served alone, and a line on stderr says why. The adapter's files are verified when it loads."""
+    """`adapter` when it was trained in `spec`'s format with the spec's present text (its manifest records
+    the spec's text_fingerprint), else None: a spec whose preamble changed since would be served with an
+    adapter that learnt another one, so the spec is served alone, and a line on stderr says why. The
+    adapter's files are verified when it loads."""
     import sys
 
-    from ..io import sha256_file
+    from ..load.preamble import load_spec
     from ..manifest import read_manifest
 
     if not (adapter / "adapter_config.json").exists():
         return None
     try:
-        trained = read_manifest(adapter / "manifest.json").get("provenance", {}).get("preamble_sha256")
+        trained = read_manifest(adapter / "manifest.json").get("provenance", {}).get("preamble_text_sha256")
     except EnlaceError as e:
         trained = None
         print(f"warning: {e}", file=sys.stderr)
-    if trained != sha256_file(spec):
+    if trained != load_spec(spec).text_fingerprint():
         print(f"warning: not serving {adapter}: it was not trained with {spec} as it is now (`make assistant` "
               "trains it again); serving the spec alone", file=sys.stderr, flush=True)  # fmt: skip
         return None

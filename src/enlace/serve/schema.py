@@ -83,8 +83,8 @@ Stop = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class Sampling(_Strict):
-    """What both endpoints share. None (left out or sent as null): the server's default (those of `enlace
-    chat` for the sampling settings)."""
+    """What both endpoints share. None (left out or sent as null): the server's default (for the sampling
+    settings the model's own: config.extra.CHAT's sampler, or what its assistant spec's `sampling:` sets)."""
 
     model: Name | None = None
     max_tokens: Count | None = None
