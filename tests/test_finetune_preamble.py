@@ -145,6 +145,21 @@ def test_the_adapter_is_served_and_judged_on_the_specs_base(tiny, tmp_path, caps
     assert f"+ adapter {adapter}" in capsys.readouterr().out
 
 
-def test_finetune_eval_refuses_a_preamble_layer(tiny, tmp_path):
-    with pytest.raises(ConfigError, match="enlace judge --assistant .* --adapter ADAPTER"):
-        finetune_eval(cfg_for(tiny, tmp_path / "run"), HW)
+def test_finetune_eval_gives_the_held_out_loss_in_the_preamble_format(tiny, tmp_path):
+    """`enlace finetune-eval` on such a layer: the held-out loss of every example rendered as served (the
+    preamble in the prompt), the base's then the adapter's, and the judge's command for its answers."""
+    from enlace.finetune.data import load_dataset
+    from enlace.finetune.evaluate import heldout_loss
+    from enlace.hf.tokenizer import HFTokenizer
+    from enlace.load.preamble import load_spec
+
+    folder, spec_path, train = tiny
+    cfg = cfg_for(tiny, tmp_path / "run")
+    finetune(cfg, HW, progress=False)
+    r = finetune_eval(cfg, HW)
+    tok = HFTokenizer(folder)
+    in_format = load_dataset(tok, train, cfg.format, cfg.max_len, None, None, load_spec(spec_path))
+    assert r["loss_before"] == round(heldout_loss(load_model(folder).model, in_format, tok.pad_id), 5)
+    assert r["loss_after"] < r["loss_before"]  # val is the training data here, at a high rate
+    assert r["judge_with"] == f"enlace judge --assistant {spec_path} --adapter {tmp_path / 'run' / 'adapter'}"
+    assert json.loads((tmp_path / "run" / "eval.json").read_text(encoding="utf-8")) == r

@@ -113,6 +113,8 @@ def _finetune_eval(args: argparse.Namespace) -> int:
 
         print(summary_table([{"assistant": who, "decodings": {d: {"summary": s} for d, s in ds.items()}}
                              for who, ds in r["judge_decodings"].items()]), end="")  # fmt: skip
+    if "judge_with" in r:  # a layer in a preamble's format: its answers are the judge's, through the spec
+        print(f"its answers, judged: {r['judge_with']}")
     print(
         f"\nheld-out loss: {r['loss_before']:.4f} (base) -> {r['loss_after']:.4f} (adapter); written to {Path(cfg.finetune.out) / 'eval.json'}"
     )

@@ -12,7 +12,7 @@ import torch
 
 from ..config.finetune import FinetuneConfig
 from ..config.hardware import HardwareConfig
-from ..errors import ConfigError, EnlaceError
+from ..errors import EnlaceError
 from ..hf.tokenizer import HFTokenizer
 from ..io import atomic_write_json
 from ..load import add_adapter, load_model
@@ -116,16 +116,47 @@ def judged_rows(questions: list, after: dict | None, before: dict | None) -> tup
     return verdicts, judged, by_decoding
 
 
+def loss_fields(before: float, after: float) -> dict:
+    reduction = (before - after) / before if before > 0 else 0.0
+    return {
+        "loss_before": round(before, 5),
+        "loss_after": round(after, 5),
+        "ppl_before": round(math.exp(before), 3),
+        "ppl_after": round(math.exp(after), 3),
+        "improvement": round(before - after, 5),
+        "loss_reduction": round(reduction, 4),
+    }
+
+
+def preamble_eval(cfg: FinetuneConfig, adapter: Path) -> dict:
+    """A layer trained in a preamble's format (finetune.preamble): its held-out loss, every example rendered
+    as serving renders it (the preamble in the prompt, the loss on the answer and its end), without and with
+    the adapter. Its answers are `enlace judge`'s, through the spec, which this names."""
+    from .train import training_preamble
+
+    spec = training_preamble(cfg)
+    base = load_model(cfg.base_model, flag="finetune.base_model")
+    tok = base.hf_tokenizer("finetune-eval")
+    val = load_dataset(tok, Path(cfg.val_data), cfg.format, cfg.max_len, None, cfg.system_prompt, spec)
+    before = heldout_loss(base.model, val, tok.pad_id)
+    add_adapter(base.model, adapter, cfg.base_model, merge=False)  # unmerged, as it trained
+    after = heldout_loss(base.model, val, tok.pad_id)
+    result = {
+        "base_model": cfg.base_model, "adapter": str(adapter), "preamble": cfg.preamble,
+        "val_data": cfg.val_data, "val": val.report(), **loss_fields(before, after), "answers": [],
+        "judge_with": f"enlace judge --assistant {cfg.preamble} --adapter {adapter}",
+    }  # fmt: skip
+    atomic_write_json(Path(cfg.out) / "eval.json", result)
+    return result
+
+
 def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None = None) -> dict:
-    if cfg.preamble is not None:  # its answers here would be in the chat template, not the preamble's format
-        raise ConfigError(
-            "finetune", "preamble", "finetune-eval answers in the chat template; judge an adapter trained "
-            f"in a preamble's format with `enlace judge --assistant {cfg.preamble} --adapter ADAPTER`",
-        )  # fmt: skip
     setup_runtime(hw)
     adapter = Path(adapter or Path(cfg.out) / "adapter")
     if not (adapter / "adapter_config.json").exists():
         raise EnlaceError(f"{adapter}: no adapter; run `enlace finetune` first")
+    if cfg.preamble is not None:  # answers in the chat template would not be what is served
+        return preamble_eval(cfg, adapter)
     split = None if cfg.questions_split == "all" else cfg.questions_split
     questions = read_questions(Path(cfg.questions), split) if cfg.questions else []  # a bad file fails first
     if cfg.questions_limit:
@@ -146,7 +177,7 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
     set_merged(model, True)  # same outputs, one matmul per projection while generating
     answers_after = [answer(model, tok, p, cfg).text for p in cfg.eval_prompts]
     judged_after = judge_questions(model, tok, questions, cfg, "finetuned") if questions else None
-    reduction = (before - after) / before if before > 0 else 0.0
+    fields = loss_fields(before, after)
     checks = {"base": answer_checks(answers_before), "finetuned": answer_checks(answers_after)}
     verdicts, judged, by_decoding = judged_rows(questions, judged_after, judged_before)
     result = {
@@ -154,17 +185,12 @@ def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None 
         "adapter": str(adapter),
         "val_data": cfg.val_data,
         "val": val.report(),
-        "loss_before": round(before, 5),
-        "loss_after": round(after, 5),
-        "ppl_before": round(math.exp(before), 3),
-        "ppl_after": round(math.exp(after), 3),
-        "improvement": round(before - after, 5),
-        "loss_reduction": round(reduction, 4),
+        **fields,
         # Flat copies of the adapter's checks, so `dvc metrics show` and `enlace report` list them.
         "looping": checks["finetuned"]["looping"],
         "distinct_2": checks["finetuned"]["distinct_2"],
         "spanish": checks["finetuned"]["spanish"],
-        "goals_met": checks["finetuned"]["looping"] == 0 and reduction >= GOAL_LOSS_REDUCTION,
+        "goals_met": checks["finetuned"]["looping"] == 0 and fields["loss_reduction"] >= GOAL_LOSS_REDUCTION,
         "checks": checks,
         "generation": cfg.generation.model_dump(),
         "answers": [
