@@ -398,6 +398,28 @@ def test_stop_strings(stops, pieces, want, hit):
     assert (out, ended) == (want, hit)
 
 
+@pytest.mark.parametrize(
+    "pieces,want",
+    [
+        ([" ", " La", " casa", "\nUsu", "ario:"], "La casa"),  # whitespace pieces first: nothing goes out
+        ([" La", "\nUsu"], "La\nUsu"),  # the budget ended it: the tail held back is text, sent as it is
+        (["\n", "\nUsuario:"], ""),  # nothing but whitespace before the stop
+    ],
+)
+def test_a_preamble_answer_is_sent_without_its_leading_space(pieces, want):
+    """The prompt ends at "ENLACE:" and the model writes the space after it: what is sent starts at the text."""
+    from enlace.load.preamble import StopScanner
+
+    scan, sent, hit = StopScanner(["\nUsuario:"], lstrip=True), [], False
+    for p in pieces:
+        text, hit = scan.feed(p)
+        sent.append(text)
+        if hit:
+            break
+    sent.append("" if hit else scan.flush())
+    assert "".join(sent) == want and not any(s.isspace() for s in sent)
+
+
 def test_explicit_nulls_are_the_defaults(server):
     nulls = {
         k: None for k in ("model", "temperature", "top_p", "stop", "stream", "n", "seed", "logprobs", "user")

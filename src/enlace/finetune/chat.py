@@ -33,7 +33,11 @@ def stream_reply(
             f"{loaded.ref.path}: no chat template; use `enlace generate --raw` to continue text"
         )
     ids = encode(messages)
-    dec, scan, eos = loaded.stream(ids), StopScanner(list(loaded.stops)), set(loaded.eos_ids)
+    dec, scan, eos = (
+        loaded.stream(ids),
+        StopScanner(list(loaded.stops), lstrip=loaded.preamble is not None),
+        set(loaded.eos_ids),
+    )
     reply, hit = "", False
     for t in generate(loaded.model, ids, max_new_tokens, eos_ids=eos, copy=loaded.copy, **sampling):
         if t in eos:
