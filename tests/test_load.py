@@ -208,7 +208,7 @@ def test_served_model_is_built_from_the_loaded_one(folder):
 
     served = load_served(str(folder), None, default=None, weights="fp32")
     assert served.generation == CHAT and served.encode_chat is not None and served.weights == "fp32"
-    assert not served.lstrip  # a chat template's answer starts where the template ends
+    assert not served.trim  # a chat template's answer starts where the template ends
     assert served.name == "base" and served.context == load_hf_folder(folder).cfg.seq_len
 
 
@@ -348,7 +348,7 @@ def test_serve_answers_with_the_imported_preamble_by_default(folder, tmp_path, m
     write_spec(tmp_path / DEFAULT_ASSISTANT, folder)
     assert resolve(None, None, finetune_default) == ("preamble", DEFAULT_ASSISTANT, None)
     served = load_served(None, None, finetune_default, weights="fp32")
-    assert served.name == "tiny-preamble" and served.stops == ("\nUsuario:",) and served.lstrip
+    assert served.name == "tiny-preamble" and served.stops == ("\nUsuario:",) and served.trim
     assert "aligned in context" in served.source and served.encode_chat is not None
 
 

@@ -401,16 +401,18 @@ def test_stop_strings(stops, pieces, want, hit):
 @pytest.mark.parametrize(
     "pieces,want",
     [
-        ([" ", " La", " casa", "\nUsu", "ario:"], "La casa"),  # whitespace pieces first: nothing goes out
-        ([" La", "\nUsu"], "La\nUsu"),  # the budget ended it: the tail held back is text, sent as it is
+        ([" ", " La", " casa.", "\n", "\nUsu", "ario:"], "La casa."),  # the space, the blank line: not sent
+        ([" La", "\n", " casa", " \n"], "La\n casa"),  # the budget ended it: inner whitespace is text
+        ([" La", "\nUsu"], "La\nUsu"),  # a tail held back as a possible stop is text at the end
         (["\n", "\nUsuario:"], ""),  # nothing but whitespace before the stop
     ],
 )
-def test_a_preamble_answer_is_sent_without_its_leading_space(pieces, want):
-    """The prompt ends at "ENLACE:" and the model writes the space after it: what is sent starts at the text."""
+def test_a_preamble_answer_is_sent_without_the_whitespace_around_it(pieces, want):
+    """The prompt ends at "ENLACE:" and the model writes the space after it, and a blank line before the next
+    turn: what is sent is the answer's text, streamed, with the whitespace inside it."""
     from enlace.load.preamble import StopScanner
 
-    scan, sent, hit = StopScanner(["\nUsuario:"], lstrip=True), [], False
+    scan, sent, hit = StopScanner(["\nUsuario:"], trim=True), [], False
     for p in pieces:
         text, hit = scan.feed(p)
         sent.append(text)

@@ -35,7 +35,7 @@ def stream_reply(
     ids = encode(messages)
     dec, scan, eos = (
         loaded.stream(ids),
-        StopScanner(list(loaded.stops), lstrip=loaded.preamble is not None),
+        StopScanner(list(loaded.stops), trim=loaded.preamble is not None),
         set(loaded.eos_ids),
     )
     reply, hit = "", False

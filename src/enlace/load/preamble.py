@@ -180,24 +180,23 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 class StopScanner:
     """Cuts the text at the first stop string, holding back any tail that could still become one.
-    lstrip: the text's leading whitespace is dropped (a preamble's answer: its prompt ends at "ENLACE:", and
-    the model writes the space after it as part of its first token)."""
+    trim: the text's leading and trailing whitespace is not emitted (a preamble's answer: its prompt ends at
+    "ENLACE:", the model writes the space after it as part of its first token, and ends with the blank line
+    before the next turn); whitespace inside the text is, once more text follows it."""
 
-    def __init__(self, stops: list[str], lstrip: bool = False):
+    def __init__(self, stops: list[str], trim: bool = False):
         self.stops = [s for s in stops if s]
         self.pending = ""
-        self.lstrip = lstrip  # until the first text that is not whitespace has gone out
+        self.trim = trim
+        self.lstrip = trim  # until the first text that is not whitespace has gone out
 
     def feed(self, piece: str) -> tuple[str, bool]:
         """The text safe to emit now, and whether a stop string ended it."""
         self.pending += piece
-        if not self.stops:
-            out, self.pending = self.pending, ""
-            return self._lead(out), False
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:
             out, self.pending = self.pending[: min(hits)], ""
-            return self._lead(out), True
+            return self._lead(out.rstrip() if self.trim else out), True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
@@ -205,12 +204,14 @@ class StopScanner:
                     hold = max(hold, k)
                     break
         cut = len(self.pending) - hold
+        if self.trim:  # whitespace before what is held back waits for the text after it
+            cut = len(self.pending[:cut].rstrip())
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return self._lead(out), False
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
-        return self._lead(out)
+        return self._lead(out.rstrip() if self.trim else out)
 
     def _lead(self, out: str) -> str:
         if self.lstrip:

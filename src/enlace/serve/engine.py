@@ -290,7 +290,7 @@ class Engine:
         stop_ids = frozenset(() if r.ignore_eos else served.eos_ids)
         guard = RepeatGuard(r.repetition_penalty, r.no_repeat_ngram, stop_ids, served.copy, r.prompt_ids)
         slot = _Slot(job=job, stop_ids=stop_ids, guard=guard,
-                     gen=torch.Generator(device="cpu").manual_seed(r.seed), stream=None, scan=StopScanner([*r.stop, *served.stops], served.lstrip),
+                     gen=torch.Generator(device="cpu").manual_seed(r.seed), stream=None, scan=StopScanner([*r.stop, *served.stops], served.trim),
                      budget=min(r.max_tokens, served.context - len(r.prompt_ids)))  # fmt: skip
         if job.cancel.is_set():
             slot.finish = "cancelled"

@@ -41,7 +41,7 @@ class Served:
         str, ...
     ] = ()  # strings that end every answer besides the request's (a preamble's next turn)
     copy: CopyTable | None = None  # a preamble's example answers, copied at most copy.n tokens in a row
-    lstrip: bool = False  # a preamble's answers: the space the model writes after "ENLACE:" is not sent
+    trim: bool = False  # a preamble's answers: the whitespace around them (after "ENLACE:", before the stop) is not sent
     # How a request samples where it sets nothing: CHAT's sampler, or an assistant spec's (Loaded.chat_sampling).
     sampling: dict = field(default_factory=lambda: dict(CHAT_SAMPLING))
 
@@ -52,7 +52,7 @@ class Served:
             eos_ids=loaded.eos_ids, encode_text=loaded.encode, encode_chat=loaded.chat_template,
             stream=loaded.stream, weights=loaded.weights, device=loaded.device, generation=loaded.generation,
             token_text=_token_text(loaded), stops=loaded.stops, copy=loaded.copy, sampling=loaded.chat_sampling,
-            lstrip=loaded.preamble is not None,
+            trim=loaded.preamble is not None,
         )  # fmt: skip
 
 
