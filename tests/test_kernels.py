@@ -15,7 +15,6 @@ from enlace import kernels
 from enlace.config.model import ModelConfig
 from enlace.generate import Int8Linear, KernelLinear, decode_weights, generate
 from enlace.model import KVCache, Llama, SlotCache
-from enlace.runtime import onednn_bf16_missing
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the kernels are built on Linux")
 
@@ -214,16 +213,12 @@ def _decoder(cfg: ModelConfig, weights: str) -> Llama:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(-0.5, 0.5)  # norms away from their identity: each one is exercised
-    return decode_weights(model, weights)
+    # "enlace": int8 and bf16 through ENLACE's kernels on every CPU kind (with "auto" a CPU with native bf16
+    # decodes them with torch's and oneDNN's).
+    return decode_weights(model, weights, kernel_choice="enlace")
 
 
-# bf16 weights take the kernels where oneDNN has no bf16 kernels (an AVX2 CPU); elsewhere oneDNN decodes them.
-BF16_ON_KERNELS = pytest.param(
-    "bf16", marks=pytest.mark.skipif(onednn_bf16_missing() is None, reason="oneDNN decodes bf16 on this CPU")
-)
-
-
-@pytest.mark.parametrize("weights", ["fp32", "int8", BF16_ON_KERNELS])
+@pytest.mark.parametrize("weights", ["fp32", "int8", "bf16"])
 @pytest.mark.parametrize("cfg", [CFG, GEMMA_LIKE], ids=["llama", "gemma3"])
 def test_the_layer_loop_in_one_call_equals_the_layers_in_python(cfg, weights):
     model = _decoder(cfg, weights)
