@@ -15,6 +15,7 @@ from export_helpers import ROOT, TINY, chat_rows, make_project, write_jsonl, wri
 
 from enlace.cli import main
 from enlace.config.model import ModelConfig
+from enlace.errors import GGUFExportError, UnsupportedModelError
 from enlace.export import sentencepiece_bundle, write_folder
 from enlace.generate import generate
 from enlace.hf import sp_convert
@@ -182,6 +183,29 @@ def test_llama_variant_untied_loads_in_transformers(in_project, tmp_path, caplog
         assert (g(ids).logits - model(ids).logits).abs().max() < 1e-4
     back = read_state(import_gguf(tmp_path / "llama.gguf", tmp_path / "back"))
     assert all(torch.equal(back[k], v) for k, v in model.state_dict().items())
+
+
+def test_squared_relu_exports_for_transformers_and_other_switches_are_refused(in_project, tmp_path, caplog):
+    cfg = ModelConfig(
+        name="t", vocab_size=600, n_layer=2, n_head=4, n_kv_head=2, d_model=32, seq_len=64, ffn_multiple_of=16,
+        qk_norm=False, mlp_act="relu2",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Llama(cfg).eval()
+    bundle = sentencepiece_bundle(in_project / "data/tokenizer", cfg.seq_len, [])
+    write_folder(model, bundle, tmp_path / "relu2")
+    assert json.loads((tmp_path / "relu2/config.json").read_text())["hidden_act"] == "relu2"
+    hf, _ = hf_load(tmp_path / "relu2", caplog)
+    ids = torch.tensor([ours_ids(in_project)])
+    with torch.no_grad():
+        assert (hf(ids).logits - model(ids).logits).abs().max() < 1e-4
+    assert load_hf_folder(tmp_path / "relu2").cfg.mlp_act == "relu2"
+    with pytest.raises(GGUFExportError, match="mlp_act relu2"):
+        export_folder_gguf(tmp_path / "relu2", tmp_path / "relu2.gguf", "f32")
+    for switch in ({"value_embeds": True}, {"logit_softcap": 30.0}):
+        with pytest.raises(UnsupportedModelError, match=next(iter(switch))):
+            write_folder(Llama(cfg.model_copy(update=switch)), bundle, tmp_path / "foreign")
+    assert not (tmp_path / "foreign").exists()
 
 
 def test_byte_level_smoke_model_exports(in_project, tmp_path):
@@ -458,3 +482,11 @@ def test_ablation_scores_the_choices_as_bench_es_does(in_project):
     row = bench_one(Entry("run", Path("runs/export/hf")), "Hola.", Path("assets/bench_es"), None, 64)
     assert got == {"pairs_acc": row["pairs_acc"], "continuations_acc": row["continuations_acc"]}
     assert 0 < got["pairs_acc"] < 1 and 0 < got["continuations_acc"] < 1
+    # The path for a run no exported architecture has (value embeddings): ENLACE's own decoder and the same
+    # tokenizer give the same answers as the export through transformers.
+    from enlace.ablate.runner import native_scorer
+    from enlace.eval.bench_bases import choice_metrics
+
+    scratch = in_project / "native-scorer"
+    m = choice_metrics(*native_scorer(Path("runs/pretrain"), scratch), items)
+    assert {k: m[k] for k in got} == got

@@ -187,6 +187,86 @@ def test_fused_loss_matches_plain_cross_entropy_value_and_gradients(z, ignore):
     )
 
 
+@pytest.mark.parametrize("z", [0.0, 1e-3])
+def test_fused_loss_with_soft_capped_logits_matches_the_reference(z):
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, requires_grad=True)
+    w = (3 * torch.randn(50, 16)).requires_grad_()  # logits of +-30 or so: well into tanh's bend at cap 15
+    t = torch.randint(0, 50, (37,))
+    t[:4] = IGNORE_INDEX
+    ref = lm_loss(15.0 * torch.tanh((h @ w.t()) / 15.0), t, z)
+    ref_grads = torch.autograd.grad(ref[0], (h, w))
+    import enlace.model as m
+
+    old = m.LOSS_CHUNK_ELEMENTS
+    m.LOSS_CHUNK_ELEMENTS = 50 * 8
+    try:
+        fused = fused_lm_loss(h, w, t, z, softcap=15.0)
+        grads = torch.autograd.grad(fused[0], (h, w))
+    finally:
+        m.LOSS_CHUNK_ELEMENTS = old
+    for a, b in zip(ref, fused, strict=True):
+        torch.testing.assert_close(a, b)
+    for a, b in zip(ref_grads, grads, strict=True):
+        torch.testing.assert_close(a, b)
+    assert not torch.allclose(ref[0], lm_loss(h @ w.t(), t, z)[0])  # the cap did change the loss
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"mlp_act": "relu2"},
+        {"zero_init_proj": True},
+        {"logit_softcap": 5.0},
+        {"value_embeds": True},
+        {"value_embeds": True, "logit_softcap": 5.0, "tie_embeddings": False},
+    ],
+)
+def test_speedrun_switches_train_and_decode_as_the_full_forward(switches):
+    """Each ablation switch: the fused loss and its gradients equal autograd through the model's own logits,
+    KV-cache decoding equals the full forward, and the parameter count is the closed form's."""
+    cfg = tiny(z_loss_weight=1e-3, **switches)
+    model = build(cfg)
+    assert model.num_parameters() == closed_form_num_parameters(cfg)
+    x = torch.randint(0, 97, (2, 12))
+    model(x, targets=x).loss.backward()
+    fused = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lm_loss(model(x).logits, x, 1e-3)[0].backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(fused[n], p.grad, msg=n)
+    with torch.no_grad():
+        full = model(x).logits
+        cache = KVCache.empty(cfg, 2, 12, x.device, torch.float32)
+        pieces = [model(x[:, :5], cache=cache).logits]
+        pieces += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_speedrun_switches_change_what_they_say():
+    x = torch.arange(5, 15).unsqueeze(0)  # ten different tokens
+    plain = build(tiny())
+    zero = build(tiny(zero_init_proj=True))
+    for name, p in zero.named_parameters():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert not p.any(), name
+    # Blocks that start as the identity: the logits are the final norm of the embeddings, through the head.
+    torch.testing.assert_close(zero(x).logits, zero.lm_head(zero.model.norm(zero.model.embed_tokens(x))))
+    capped = build(tiny(logit_softcap=0.5))
+    assert capped(x).logits.abs().max() < 0.5
+    relu2 = build(tiny(mlp_act="relu2"))
+    h = torch.randn(3, 32)
+    mlp = relu2.model.layers[0].mlp
+    torch.testing.assert_close(mlp(h), mlp.down_proj(torch.relu(mlp.gate_proj(h)) ** 2 * mlp.up_proj(h)))
+    ve = build(tiny(value_embeds=True))
+    with torch.no_grad():
+        before = ve(x).logits
+        ve.model.value_embeds[1].weight[x[0, 3]] += 1.0  # layer 1's value for the token at position 3
+        after = ve(x).logits
+    assert torch.equal(before[:, :3], after[:, :3]) and not torch.equal(before[:, 3:], after[:, 3:])
+    assert not torch.equal(plain(x).logits, relu2(x).logits)
+
+
 def test_fused_loss_with_frozen_head_and_without_grad():
     torch.manual_seed(0)
     h = torch.randn(9, 8, requires_grad=True)

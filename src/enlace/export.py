@@ -158,6 +158,24 @@ def write_folder(
     return Path(out)
 
 
+def run_bundle(
+    meta: dict[str, Any],
+    seq_len: int,
+    tokenizer_dir: Path = paths.TOKENIZER,
+    corpus: Path = paths.CORPUS,
+    shards: Path = paths.SHARDS,
+) -> TokenizerBundle:
+    """The tokenizer a pretraining run (its checkpoint's `meta`) is exported with."""
+    if meta["config"]["train"]["loader"] == "bytes":
+        return byte_bundle(seq_len)
+    check_run_tokenizer(meta, tokenizer_dir, shards)
+    val = Path(corpus) / "val.jsonl"
+    texts = [json.loads(line)["text"] for line in val.open(encoding="utf-8")] if val.exists() else []
+    bundle = sentencepiece_bundle(tokenizer_dir, seq_len, texts)
+    bundle.extra_files.append(Path(tokenizer_dir) / "tokenizer.model")
+    return bundle
+
+
 def export_run(
     run_dir: Path = paths.RUNS / "pretrain",
     out: Path = DEFAULT_OUT,
@@ -171,14 +189,7 @@ def export_run(
     model, meta, ckpt = load_trained_model(Path(run_dir))
     model = model.float()
     cfg = model.cfg
-    if meta["config"]["train"]["loader"] == "bytes":
-        bundle = byte_bundle(cfg.seq_len)
-    else:
-        check_run_tokenizer(meta, tokenizer_dir, shards)
-        val = Path(corpus) / "val.jsonl"
-        texts = [json.loads(line)["text"] for line in val.open(encoding="utf-8")] if val.exists() else []
-        bundle = sentencepiece_bundle(tokenizer_dir, cfg.seq_len, texts)
-        bundle.extra_files.append(Path(tokenizer_dir) / "tokenizer.model")
+    bundle = run_bundle(meta, cfg.seq_len, tokenizer_dir, corpus, shards)
     info = {"source": "run", "checkpoint": str(ckpt), "step": meta["step"]}
     write_folder(model, bundle, out, {**info, "config_hash": stable_hash(meta["config"])})
     return {

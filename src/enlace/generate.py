@@ -263,6 +263,9 @@ class KernelDecode:
     @staticmethod
     def fits(model: Llama) -> bool:
         """Whether every layer's products are ones the kernel runs (not an unmerged adapter, say)."""
+        cfg = model.cfg
+        if cfg.mlp_act not in ("silu", "gelu_tanh") or cfg.value_embeds:
+            return False  # the kernel knows SwiGLU and GeGLU, and no value embeddings
         for block in model.model.layers:
             attn, mlp = block.self_attn, block.mlp
             for lin in (

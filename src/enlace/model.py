@@ -6,6 +6,8 @@ optional QK-norm and z-loss, tied input/output embeddings, and a KV cache for ge
 Config switches (config/model.py; all off by default) make the same decoder Gemma 3: RMSNorm by
 (1 + weight), sandwich norms, GeGLU, embeddings scaled by sqrt(d_model), a stated head_dim and attention
 scale, and local sliding-window layers with their own RoPE base between the global ones.
+Others are the small-scale speedrun changes the ablations try: a squared-ReLU gate, zero-initialised
+output projections, soft-capped logits and per-layer value embeddings.
 
 Module names mirror Hugging Face's LlamaForCausalLM (Qwen3's q_norm/k_norm, Gemma3ForCausalLM's
 pre/post-feedforward norms), so a state dict maps one to one: `model.layers.3.self_attn.q_proj.weight` here
@@ -225,13 +227,17 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: KVCache | None = None,
         layer: int = 0,
+        value_embed: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """value_embed: this layer's value embedding of the tokens [B, T, KV * D], added to the values."""
         B, T, _ = x.shape
         if self.qkv is not None:
             qd, kd = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
             q, k, v = self.qkv(x).split([qd, kd, kd], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if value_embed is not None:
+            v = v + value_embed.to(v.dtype)
         q = q.view(B, T, self.n_head, self.head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim)
@@ -300,15 +306,27 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+MLP_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_tanh": gelu_tanh,
+    "relu2": relu_squared,
+}
+
+
 class MLP(nn.Module):
-    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with GELU (tanh approximation)."""
+    """Gated: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with GELU (tanh approximation), or the
+    squared ReLU."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
-        self.act = F.silu if cfg.mlp_act == "silu" else gelu_tanh
+        self.act = MLP_ACTIVATIONS[cfg.mlp_act]
         # Decoding only: gate and up in one product (set by fuse_projections, which removes the two).
         self.gate_up: nn.Module | None = None
 
@@ -370,13 +388,13 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
 
-    def forward(self, x, cos, sin, cache=None, layer=0):
+    def forward(self, x, cos, sin, cache=None, layer=0, value_embed=None):
         if self.sandwich:
-            h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
-            x = x + self.dropout(h)
+            h = self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, value_embed)
+            x = x + self.dropout(self.post_attention_layernorm(h))
             h = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
             return x + self.dropout(h)
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer))
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, value_embed))
         return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -386,6 +404,11 @@ class Decoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, sdpa_backend, i) for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_unit_offset)
+        if cfg.value_embeds:
+            kv_dim = cfg.n_kv_head * cfg.head_dim
+            self.value_embeds = nn.ModuleList(
+                nn.Embedding(cfg.vocab_size, kv_dim) for _ in range(cfg.n_layer)
+            )
 
 
 @dataclass
@@ -418,6 +441,8 @@ class Llama(nn.Module):
                 nn.init.zeros_(p)
             elif p.dim() == 1:
                 nn.init.ones_(p)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")) and self.cfg.zero_init_proj:
+                nn.init.zeros_(p)  # each block starts as the identity; its input gradients start at zero too
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 # Residual-branch outputs: scaled so the residual stream's variance does not grow with depth.
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.cfg.n_layer))
@@ -451,10 +476,14 @@ class Llama(nn.Module):
             rope = [(cos.to(x.dtype), sin.to(x.dtype)) for cos, sin in rope]
         for i, block in enumerate(self.model.layers):
             cos, sin = rope[1] if len(rope) > 1 and self.cfg.is_local(i) else rope[0]
-            x = block(x, cos, sin, cache, i)
+            x = block(x, cos, sin, cache, i, self.value_embed(idx, i))
         if cache is not None:
             cache.pos += T
         return self.model.norm(x)
+
+    def value_embed(self, idx: torch.Tensor, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s value embedding of the tokens (None without value embeddings)."""
+        return self.model.value_embeds[layer](idx) if self.cfg.value_embeds else None
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(idx)
@@ -502,7 +531,7 @@ class Llama(nn.Module):
         rope = [(cos[pos][:, None, None], sin[pos][:, None, None]) for cos, sin in tables]
         for i, block in enumerate(self.model.layers):
             cos, sin = rope[1] if len(rope) > 1 and self.cfg.is_local(i) else rope[0]
-            x = block(x, cos, sin, slots, i)
+            x = block(x, cos, sin, slots, i, self.value_embed(idx, i))
         return self.model.norm(x)
 
     def forward(
@@ -516,8 +545,12 @@ class Llama(nn.Module):
         last_only: the logits of the last position only [B, 1, V] (a prefill needs no others)."""
         h = self.hidden_states(idx, cache)
         if targets is None:
-            return Output(self.lm_head(h[:, -1:] if last_only else h))
-        loss, ce, z = fused_lm_loss(h, self.head_weight(), targets, self.cfg.z_loss_weight)
+            logits = self.lm_head(h[:, -1:] if last_only else h)
+            cap = self.cfg.logit_softcap
+            return Output(logits if cap is None else cap * torch.tanh(logits / cap))
+        loss, ce, z = fused_lm_loss(
+            h, self.head_weight(), targets, self.cfg.z_loss_weight, self.cfg.logit_softcap
+        )
         return Output(None, loss, ce, z)
 
     def head_weight(self) -> torch.Tensor:
@@ -548,13 +581,15 @@ def _head_chunks(
     grad_scale: torch.Tensor | None = None,
     grad_h: torch.Tensor | None = None,
     grad_w: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over the rows in chunks: the sums of ce and of log Z^2, and optionally the gradients.
 
     The matmuls run in `dtype` (autocast's), with autocast off so that a pass in backward computes
     exactly what the pass in forward did. With grad_scale, d loss/d logits of each row,
     grad_scale * keep * (softmax * (1 + 2 w log Z) - onehot(target)), is built in fp32, cast to `dtype`
-    once and carried back into grad_h[rows] and into grad_w (an fp32 sum over chunks).
+    once and carried back into grad_h[rows] and into grad_w (an fp32 sum over chunks). With softcap c the
+    loss sees c * tanh(logits / c), and d loss/d logits takes the factor 1 - tanh^2.
     """
     chunk = max(1, LOSS_CHUNK_ELEMENTS // weight.shape[0])
     ce_sum = h.new_zeros((), dtype=torch.float32)
@@ -564,6 +599,10 @@ def _head_chunks(
         for s in range(0, h.shape[0], chunk):
             hc, tc, kc = h[s : s + chunk].to(dtype), targets[s : s + chunk], keep[s : s + chunk]
             logits = (hc @ w.t()).float()
+            squashed = None
+            if softcap is not None:
+                squashed = logits.div_(softcap).tanh_()
+                logits = squashed * softcap
             target_logit = logits.gather(-1, tc.unsqueeze(-1)).squeeze(-1)
             # log Z = max + log(sum exp(logits - max)), in place of the logits: the exponentials are the
             # unnormalised softmax the gradient needs, and no [rows, vocab] temporary is allocated
@@ -580,6 +619,8 @@ def _head_chunks(
             # softmax * (1 + 2 w log Z) * row_scale = exps * that / total: one pass over the chunk.
             exps.mul_(((1.0 + 2.0 * z_weight * log_z) * row_scale / total).unsqueeze(-1))
             exps.scatter_add_(-1, tc.unsqueeze(-1), (-row_scale).unsqueeze(-1))
+            if squashed is not None:
+                exps.mul_(1.0 - squashed.square_())
             g = exps.to(dtype)
             if grad_h is not None:
                 grad_h[s : s + chunk] = g @ w
@@ -610,7 +651,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, z_weight: float, need_grad_h: bool, need_grad_w: bool):
+    def forward(ctx, h, weight, targets, z_weight: float, need_grad_h: bool, need_grad_w: bool, softcap=None):
         keep = (targets != IGNORE_INDEX).float()
         targets = targets.clamp_min(0)
         count = keep.sum().clamp_min(1.0)
@@ -619,8 +660,11 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if eager and need_grad_h else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if eager and need_grad_w else None
         scale = 1.0 / count if eager else None
-        ce_sum, z_sum = _head_chunks(h, weight, targets, keep, z_weight, dtype, scale, grad_h, grad_w)
+        ce_sum, z_sum = _head_chunks(
+            h, weight, targets, keep, z_weight, dtype, scale, grad_h, grad_w, softcap
+        )
         ctx.eager, ctx.dtype, ctx.z_weight, ctx.weight_dtype = eager, dtype, z_weight, weight.dtype
+        ctx.softcap = softcap
         ctx.need = (need_grad_h, need_grad_w)
         if eager:
             ctx.save_for_backward(grad_h, grad_w)
@@ -642,21 +686,27 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             gh = torch.empty_like(h) if need_h else None
             gw = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
             scale = grad_loss.float() / keep.sum().clamp_min(1.0)
-            _head_chunks(h, weight, targets, keep, ctx.z_weight, ctx.dtype, scale, gh, gw)
+            _head_chunks(h, weight, targets, keep, ctx.z_weight, ctx.dtype, scale, gh, gw, ctx.softcap)
         if gw is not None:
             gw = gw.to(ctx.weight_dtype)
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def fused_lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss_weight: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    z_loss_weight: float,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss, ce, z_loss) of the head `weight` on `hidden` [..., d]; ce and z_loss are for logging only."""
+    """(loss, ce, z_loss) of the head `weight` on `hidden` [..., d], its logits soft-capped at `softcap` if
+    given; ce and z_loss are for logging only."""
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     grad = torch.is_grad_enabled()
     fn = _FusedLinearCrossEntropy
-    return fn.apply(h, weight, t, z_loss_weight, grad and h.requires_grad, grad and weight.requires_grad)
+    need_h, need_w = grad and h.requires_grad, grad and weight.requires_grad
+    return fn.apply(h, weight, t, z_loss_weight, need_h, need_w, softcap)
 
 
 def closed_form_num_parameters(cfg: ModelConfig) -> int:
@@ -666,4 +716,5 @@ def closed_form_num_parameters(cfg: ModelConfig) -> int:
     mlp = 3 * d * cfg.ffn_dim
     norms = (4 if cfg.sandwich_norm else 2) * d + (2 * hd if cfg.qk_norm else 0)
     embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.n_layer * (attn + mlp + norms) + embed + d
+    value_embeds = cfg.vocab_size * cfg.n_kv_head * hd if cfg.value_embeds else 0
+    return cfg.n_layer * (attn + mlp + norms + value_embeds) + embed + d

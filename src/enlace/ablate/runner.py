@@ -4,11 +4,14 @@ Each run is `enlace pretrain` of the variant's config in a fresh process (worker
 the schedule fitted to the budget (fit.py). A run still going at its budget gets SIGTERM, which the
 trainer answers by saving a checkpoint; the row then says so (its decay did not finish). Scoring is the
 eval stage's own: validation and the prose yardstick by `score_model_dir`, as `enlace eval --model-dir`;
-the minimal pairs and continuations as `make bench-es` scores them (bench_bases, on the exported run).
+the minimal pairs and continuations as `make bench-es` scores them (bench_bases, on the exported run;
+a variant no exported architecture has, such as value embeddings, is scored by ENLACE's own decoder in
+fp32 with the same tokenizer).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -25,12 +28,15 @@ import torch
 
 from .. import paths
 from ..config import Config, load_config
-from ..errors import EnlaceError
+from ..errors import EnlaceError, UnsupportedModelError
 from ..estimate import train_flops_per_token
 from ..eval.bench_bases import Entry, choice_metrics, load
 from ..eval.bench_es import go_offline
 from ..eval.evaluate import read_prose, score_model_dir
-from ..export import export_run
+from ..export import export_run, run_bundle
+from ..hf.arch import for_config
+from ..load import load_trained_model
+from ..model import Llama
 from ..peak import PEAK_DTYPES, matmul_peak_gflops, mfu, peak_update
 from ..runtime import CPUINFO, resolve_run, setup_runtime
 from ..train.checkpoint import latest_checkpoint
@@ -130,11 +136,49 @@ def choices(run_dir: Path, cfg: Config) -> dict[str, Any]:
         return {"pairs_acc": None, "continuations_acc": None}
     go_offline()
     folder = run_dir / "hf"
-    export_run(run_dir, folder)
-    model, tok = load(Entry(run_dir.name, folder))
+    try:
+        for_config(cfg.model)
+    except UnsupportedModelError:
+        model, tok = native_scorer(run_dir, folder)
+    else:
+        export_run(run_dir, folder)
+        model, tok = load(Entry(run_dir.name, folder))
     m = choice_metrics(model, tok, paths.BENCH_ES)
     shutil.rmtree(folder)  # the checkpoint stays; the folder is one command away
     return {"pairs_acc": m["pairs_acc"], "continuations_acc": m["continuations_acc"]}
+
+
+class NativeLM:
+    """ENLACE's decoder called as bench_bases calls a transformers model: logits of right-padded rows (under
+    causal attention the padding after a row changes none of its own positions). Like transformers, it
+    scores rows longer than the training window (RoPE's angles are computed, not looked up), where ENLACE's
+    generation refuses them."""
+
+    def __init__(self, model: Llama):
+        self.model = model
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Any:
+        cfg = self.model.cfg
+        if input_ids.shape[1] > cfg.seq_len:
+            self.model.cfg = cfg.model_copy(update={"seq_len": input_ids.shape[1]})
+        try:
+            return self.model(input_ids)
+        finally:
+            self.model.cfg = cfg
+
+
+def native_scorer(run_dir: Path, folder: Path) -> tuple[NativeLM, Any]:
+    """A run no exported architecture has: its checkpoint in fp32 and the tokenizer an export would carry
+    (written to `folder`, read back by transformers as bench_bases reads every base's)."""
+    from transformers import AutoTokenizer
+
+    model, meta, _ = load_trained_model(run_dir)
+    bundle = run_bundle(meta, model.cfg.seq_len)
+    folder.mkdir(parents=True, exist_ok=True)
+    bundle.tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(bundle.config), encoding="utf-8")
+    return NativeLM(model.float().eval()), AutoTokenizer.from_pretrained(folder)
 
 
 def score(run_dir: Path, cfg: Config, prose: str, device: torch.device) -> dict[str, Any]:

@@ -35,8 +35,9 @@ class ModelConfig(Strict):
     # Gemma 2/3 "sandwich" norms: besides the norm before attention and before the MLP, another on each
     # one's output before it joins the residual stream.
     sandwich_norm: StrictBool = False
-    # The gated MLP's activation: SwiGLU (silu) or GeGLU with GELU's tanh approximation (Gemma).
-    mlp_act: Literal["silu", "gelu_tanh"] = "silu"
+    # The gated MLP's activation: SwiGLU (silu), GeGLU with GELU's tanh approximation (Gemma), or a squared
+    # ReLU gate (relu2: down(relu(gate)^2 * up); So et al. 2021's Primer activation in the gated form).
+    mlp_act: Literal["silu", "gelu_tanh", "relu2"] = "silu"
     # Gemma multiplies the token embeddings by sqrt(d_model) (the tied output head stays unscaled).
     embed_scale: StrictBool = False
     # Attention logits are scaled by query_pre_attn_scalar**-0.5 (Gemma 3: 256); null: head_dim**-0.5.
@@ -48,6 +49,14 @@ class ModelConfig(Strict):
     global_every: StrictInt = Field(default=1, gt=0)
     # RoPE base of the local layers (Gemma 3: 10k, while the global layers use rope_theta, 1M); null: rope_theta.
     rope_local_theta: StrictFloat | None = Field(default=None, gt=0)
+    # Speedrun-style switches (issue 38's ablations; off by default). zero_init_proj: the residual branches'
+    # output projections (o_proj, down_proj) start at zero, so each block starts as the identity.
+    zero_init_proj: StrictBool = False
+    # Logits squashed to cap * tanh(logits / cap) (Gemma 2's final soft-capping); null: none.
+    logit_softcap: StrictFloat | None = Field(default=None, gt=0)
+    # One embedding table per layer added to that layer's attention values (v = v_proj(x) + table[token]):
+    # modded-nanogpt's value embeddings. No Hugging Face or GGUF architecture has them: not exportable.
+    value_embeds: StrictBool = False
 
     @property
     def head_dim(self) -> int:

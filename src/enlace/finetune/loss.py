@@ -26,5 +26,7 @@ def assistant_loss_sum(
     last = int(keep.any(0).nonzero().max()) + 1
     h = model.hidden_states(input_ids[:, :last])
     mask = keep[:, :last]
-    loss, _, _ = fused_lm_loss(h[mask], model.lm_head.weight, targets[:, :last][mask], 0.0)
+    loss, _, _ = fused_lm_loss(
+        h[mask], model.lm_head.weight, targets[:, :last][mask], 0.0, model.cfg.logit_softcap
+    )
     return loss * n, n

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config.model import ModelConfig
 from ..errors import GGUFExportError
 from ..io import fsync_file
 from ..manifest import recorded_provenance, sidecar, verify_manifest, write_file_manifest
@@ -31,6 +32,16 @@ Q8_BLOCK = 32  # Q8_0 quantizes rows in blocks of 32 weights (one fp16 scale eac
 PRE_TOKENIZER_DIGITS = "smollm"  # llama.cpp's name for GPT-2 regex after splitting digits one by one
 # llama.cpp's name for the plain GPT-2 regex; it refuses the file ("unknown pre-tokenizer type") for "gpt2"
 PRE_TOKENIZER_GPT2 = "gpt-2"
+
+
+def gguf_arch(cfg: ModelConfig) -> Arch:
+    """The architecture llama.cpp runs cfg as, or refuse what its graph would compute differently."""
+    arch = for_config(cfg)
+    if cfg.mlp_act == "relu2":
+        raise GGUFExportError(
+            f"model {cfg.name}: mlp_act relu2; llama.cpp's {arch.name} graph computes SwiGLU"
+        )
+    return arch
 
 
 def spm_vocab(model_file: Path) -> dict[str, Any]:
@@ -186,7 +197,7 @@ def write_gguf(
     cfg = model.cfg
     if len(vocab["tokens"]) != cfg.vocab_size:
         raise GGUFExportError(f"tokenizer has {len(vocab['tokens'])} tokens, the model {cfg.vocab_size}")
-    arch = for_config(cfg)
+    arch = gguf_arch(cfg)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -228,7 +239,7 @@ def _folder_gguf(folder: Path, path: Path, ftype: str, model: Llama | None) -> P
 
     model = model if model is not None else load_hf_folder(folder)
     tok_json = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    arch = for_config(model.cfg)
+    arch = gguf_arch(model.cfg)
     if arch.gguf_vocab is not None:
         vocab = arch.gguf_vocab(folder)
     elif (folder / "tokenizer.model").exists():

@@ -42,7 +42,13 @@ def for_gguf(meta: dict[str, Any]) -> Arch:
 
 def for_config(cfg: ModelConfig) -> Arch:
     """Gemma 3's switches (all of them; a partial set is refused) are gemma3, QK-norm alone is Qwen3's,
-    otherwise plain Llama."""
+    otherwise plain Llama. Switches no architecture has (value embeddings, soft-capped logits) are refused."""
+    foreign = [k for k in ("value_embeds", "logit_softcap") if getattr(cfg, k) not in (False, None)]
+    if foreign:
+        raise UnsupportedModelError(
+            f"model {cfg.name}: {', '.join(foreign)} set; no Hugging Face or GGUF architecture ENLACE "
+            "exports has it (an ablation switch: such a run is trained, evaluated and sampled here only)"
+        )
     if gemma3.is_gemma3(cfg):
         return gemma3.ARCH
     return qwen3.ARCH if cfg.qk_norm else llama.ARCH

@@ -36,14 +36,19 @@ def _rope_theta(hf: dict[str, Any], problems: list[str]) -> float:
     return float(hf.get("rope_theta", 10000.0))
 
 
+# transformers' hidden_act names (ACT2FN) of the gated activations a plain decoder may have: SwiGLU, and
+# the squared ReLU (its "relu2" is relu(x) ** 2). llama.cpp's llama and qwen3 graphs compute SwiGLU only.
+HIDDEN_ACTS = {"silu": "silu", "relu2": "relu2"}
+
+
 def _problems(hf: dict[str, Any], hf_arch: str) -> list[str]:
     """Everything in a plain-decoder config.json that our decoder would compute differently."""
     problems: list[str] = []
     archs = hf.get("architectures") or [hf_arch]
     if archs != [hf_arch]:
         problems.append(f"architectures {archs}; only {hf_arch} is supported for {hf.get('model_type')}")
-    if hf.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act {hf.get('hidden_act')!r}; only 'silu' (SwiGLU) is supported")
+    if hf.get("hidden_act", "silu") not in HIDDEN_ACTS:
+        problems.append(f"hidden_act {hf.get('hidden_act')!r}; only {sorted(HIDDEN_ACTS)} are supported")
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             problems.append(f"{flag} is true; our projections have no bias")
@@ -87,6 +92,7 @@ def parse_hf(hf: dict[str, Any], source: str, name: str | None, hf_arch: str, qk
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qk_norm=qk_norm,
+        mlp_act=HIDDEN_ACTS[hf.get("hidden_act", "silu")],
     )
 
 
@@ -105,7 +111,7 @@ def build_hf(
         "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_kv_head,
         "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
+        "hidden_act": {v: k for k, v in HIDDEN_ACTS.items()}[cfg.mlp_act],
         "max_position_embeddings": cfg.seq_len,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
