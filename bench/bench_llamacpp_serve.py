@@ -70,10 +70,11 @@ PRECISIONS = {
     "bf16": ("bf16", "BF16"),
     "int8": ("int8", "Q8_0"),
     "q4": ("int8", "Q4_K_M"),
-    # On a CPU with native bf16, `auto` decodes bf16 and int8 on torch's kernels (oneDNN); these rows serve
-    # them on ENLACE's (`--kernels enlace`), so that the table measures both paths the kind could take.
-    "bf16-enlace": ("bf16", "BF16"),
-    "int8-enlace": ("int8", "Q8_0"),
+    # `auto` decodes every precision on ENLACE's kernels where they build; on a CPU with native bf16 these rows
+    # serve bf16 and int8 on torch's instead (`--kernels torch`: oneDNN's packed bf16, torch's int8 kernel), so
+    # that the table measures both paths the kind could take.
+    "bf16-torch": ("bf16", "BF16"),
+    "int8-torch": ("int8", "Q8_0"),
 }
 MODELS = ("smollm2", "gemma3")
 ENLACE, NATIVE, PORTABLE = "enlace serve", "llama.cpp native", "llama.cpp portable"
@@ -193,7 +194,7 @@ def stop_bias(tok: HFTokenizer) -> dict[str, float]:
 def start_enlace(model: Model, precision: str, sizes: Sizes, env: dict) -> Server:
     port = free_port()
     weights = PRECISIONS[precision][0]
-    kernels = "enlace" if precision.endswith("-enlace") else "auto"
+    kernels = "torch" if precision.endswith("-torch") else "auto"
     return Server(
         [sys.executable, "-m", "enlace.cli", "serve", "--model", str(model.target), "--weights", weights,
          "--kernels", kernels, "--port", str(port), "--slots", str(sizes.streams),
@@ -284,13 +285,13 @@ def measure(servers: dict[str, Server], long_prompt: str, sizes: Sizes, counter:
 def default_precisions(native_bf16: bool | None = None, own_kernels: bool | None = None) -> list[str]:
     """fp32, bf16 and int8; bf16 where the CPU has native bf16 or ENLACE's kernels are built (they decode
     bf16 weights with fp32 arithmetic where oneDNN has no bf16 kernels, as llama.cpp's BF16 does there).
-    Where it has native bf16 and the kernels are built, bf16 and int8 also on ENLACE's kernels (the path
-    `auto` takes elsewhere). Default: this machine's answers."""
+    Where it has native bf16 and the kernels are built, bf16 and int8 also on torch's kernels (the path `auto`
+    took there before the table below measured it). Default: this machine's answers."""
     from enlace import kernels
 
     native = bool(cpu_bf16_native()) if native_bf16 is None else native_bf16
     own = kernels.available() if own_kernels is None else own_kernels
-    both = ["bf16-enlace", "int8-enlace"] if native and own else []
+    both = ["bf16-torch", "int8-torch"] if native and own else []
     return ["fp32", *(["bf16"] if native or own else []), "int8", *both]
 
 
@@ -388,8 +389,8 @@ def run_table(model: Model, precision: str, ctx: dict, sizes: Sizes, counter: li
         f["weights"] = (
             kind
             if who != ENLACE
-            else f"{weights}, ENLACE's kernels"
-            if precision.endswith("-enlace")
+            else f"{weights}, torch's kernels"
+            if precision.endswith("-torch")
             else weights
         )
         f["ratios"] = {k: ratio(k, f[k], figures[NATIVE][k]) for k in FIGURES}

@@ -26,15 +26,15 @@ def test_serving_table_compares_enlace_serve_with_llama_server(tmp_path):
     out = tmp_path / "bench"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     cmd = [sys.executable, "-m", "bench.bench_llamacpp_serve", "--model", str(folder), "--precisions",
-           "fp32,int8-enlace", "--tokens", "12", "--prompt-tokens", "24", "--rounds", "1", "--out", str(out)]  # fmt: skip
+           "fp32,int8-torch", "--tokens", "12", "--prompt-tokens", "24", "--rounds", "1", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     data = json.loads((out / "serve.json").read_text())
     assert list(data["results"]) == ["tiny"]
     tables = data["results"]["tiny"]
-    assert list(tables) == ["fp32", "int8-enlace"]
-    expected = {"fp32": ("fp32", "F32"), "int8-enlace": ("int8, ENLACE's kernels", "Q8_0")}
+    assert list(tables) == ["fp32", "int8-torch"]
+    expected = {"fp32": ("fp32", "F32"), "int8-torch": ("int8, torch's kernels", "Q8_0")}
     for precision, (ours, theirs) in expected.items():
         rows = tables[precision]
         assert list(rows) == ["enlace serve", "llama.cpp native"]
@@ -54,7 +54,7 @@ def test_serving_table_compares_enlace_serve_with_llama_server(tmp_path):
     sections = [line for line in md.splitlines() if line.startswith("## ")]
     assert sections == [
         "## tiny, fp32 (enlace fp32 against llama.cpp F32)",
-        "## tiny, int8-enlace (enlace int8 against llama.cpp Q8_0)",
+        "## tiny, int8-torch (enlace int8 against llama.cpp Q8_0)",
     ]
     body = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(body) == 2 * 3  # per precision: a header and one row per server
@@ -67,7 +67,7 @@ def test_a_cpu_with_native_bf16_measures_both_kernel_paths(monkeypatch):
     from bench.bench_llamacpp_serve import default_precisions
 
     assert default_precisions(native_bf16=True, own_kernels=True) == [
-        "fp32", "bf16", "int8", "bf16-enlace", "int8-enlace"
+        "fp32", "bf16", "int8", "bf16-torch", "int8-torch"
     ]  # fmt: skip
     assert default_precisions(native_bf16=False, own_kernels=True) == ["fp32", "bf16", "int8"]
     assert default_precisions(native_bf16=False, own_kernels=False) == ["fp32", "int8"]

@@ -79,16 +79,24 @@ def test_bf16_on_an_avx2_cpu_takes_enlaces_kernels_and_is_refused_without_them(m
 
 
 @needs_onednn
-def test_enlaces_kernels_can_be_asked_for_on_a_cpu_with_native_bf16(monkeypatch):
-    # On a bf16 kind `auto` packs bf16 for oneDNN; `--kernels enlace` takes the layer loop on bf16 weights
-    # there as on an AVX2 CPU, so both paths can be measured on the same machine: the same model, the same
-    # tokens as the AVX2 kind's bf16 path.
+def test_a_cpu_with_native_bf16_decodes_on_enlaces_kernels_unless_torchs_are_asked_for(monkeypatch):
+    # On a bf16 kind `auto` takes the layer loop on bf16 (and int8) weights as on an AVX2 CPU, its prefills on
+    # oneDNN's bf16 GEMM; `--kernels torch` packs bf16 for oneDNN, so both paths can be measured there.
     assert kernels.available()
+    auto = decode_weights(model(), "bf16", flags=AVX512_BF16_CPU)
     asked = decode_weights(model(), "bf16", flags=AVX512_BF16_CPU, kernel_choice="enlace")
-    assert isinstance(asked.lm_head, Bf16Linear) and asked.layers_step is not None
-    avx2 = decode_weights(model(), "bf16", flags=AVX2_CPU)
+    for m in (auto, asked):
+        assert isinstance(m.lm_head, Bf16Linear) and m.layers_step is not None and m.lm_head.bf16_prefill
     ids = [5, 6, 7]
-    assert list(generate(asked, ids, 8)) == list(generate(avx2, ids, 8))
+    assert list(generate(auto, ids, 8)) == list(generate(asked, ids, 8))
+    int8 = decode_weights(model(), "int8", flags=AVX512_BF16_CPU)
+    assert isinstance(int8.lm_head, Int8Linear) and int8.lm_head.kernel and int8.layers_step is not None
+    assert next(int8.parameters()).dtype == torch.float32
+    if BF16_HERE:
+        torch_path = decode_weights(model(), "bf16", flags=AVX512_BF16_CPU, kernel_choice="torch")
+        assert isinstance(torch_path.lm_head, PackedLinear) and torch_path.layers_step is None
+    # On an AVX2 CPU the prefill stays fp32: bf16 GEMMs would be emulated there.
+    assert not decode_weights(model(), "bf16", flags=AVX2_CPU).lm_head.bf16_prefill
     # torch's own kernels cannot decode bf16 where oneDNN has none; without ENLACE's, "enlace" is refused.
     with pytest.raises(HardwareError, match="kernel_choice 'torch'"):
         decode_weights(model(), "bf16", flags=AVX2_CPU, kernel_choice="torch")
@@ -96,6 +104,26 @@ def test_enlaces_kernels_can_be_asked_for_on_a_cpu_with_native_bf16(monkeypatch)
     monkeypatch.setitem(kernels._state, "why", "no C++ compiler")
     with pytest.raises(HardwareError, match=r"--kernels enlace on cpu: .*\(no C\+\+ compiler\)"):
         decode_weights(model(), "int8", flags=AVX2_CPU, kernel_choice="enlace")
+
+
+@needs_onednn
+def test_a_prefill_on_native_bf16_is_onednns_bf16_product_and_a_decode_step_is_unchanged():
+    lin = torch.nn.Linear(64, 96, bias=False)
+    many, one = torch.randn(2, 9, 64), torch.randn(1, 1, 64)
+    w = lin.weight.detach()
+    for plain, native, dense in (
+        (Bf16Linear(lin), Bf16Linear(lin, bf16_prefill=True), w.bfloat16()),
+        (
+            Int8Linear(lin, torch.float32, kernel=True),
+            Int8Linear(lin, torch.float32, kernel=True, bf16_prefill=True),
+            None,
+        ),
+    ):
+        dense = native.dequantized().bfloat16() if dense is None else dense
+        with torch.no_grad():
+            assert torch.equal(native(many), F.linear(many.bfloat16(), dense).float())
+            assert native(many).dtype == torch.float32
+            assert torch.equal(native(one), plain(one))  # one row: ENLACE's kernel either way
 
 
 def test_int8_linear_is_close_to_fp32():
@@ -112,11 +140,11 @@ def test_decode_weights_keep_the_logits(weights, tol):
     x = torch.randint(0, CFG.vocab_size, (1, 20))
     with torch.no_grad():
         a, b = ref(x).logits, low(x).logits.float()
-    bf16_class = PackedLinear if BF16_HERE else Bf16Linear
+    bf16_class = Bf16Linear if kernels.available() else PackedLinear
     assert low.lm_head.__class__ is (bf16_class if weights == "bf16" else Int8Linear)
-    # Norms, embedding and so the KV cache: bf16, except on a CPU without native bf16 where ENLACE's
-    # kernels are built, which keeps them in fp32 (their products take fp32 activations there).
-    fp32_rest = not BF16_HERE and kernels.available()
+    # Norms, embedding and so the KV cache: fp32 where ENLACE's kernels are built (their products take fp32
+    # activations), else bf16 with torch's kernels.
+    fp32_rest = kernels.available()
     assert next(low.parameters()).dtype == (torch.float32 if fp32_rest else torch.bfloat16)
     assert (a - b).norm() / a.norm() < tol
     # Generation runs on the converted model and is deterministic.

@@ -132,7 +132,9 @@ def test_the_adapter_is_served_and_judged_on_the_specs_base(tiny, tmp_path, caps
         got = tuned.model(ids).logits
         assert torch.allclose(got, with_adapter(ids).logits, atol=1e-5)
         assert not torch.allclose(got, plain.model(ids).logits, atol=1e-3)
-    served = load_served(str(spec_path), str(adapter), no_default)
+    served = load_served(
+        str(spec_path), str(adapter), no_default, weights="fp32"
+    )  # got's precision, any kind
     assert served.encode_chat(msgs) == plain.encode(msgs) and "aligned in context" in served.source
     with torch.no_grad():
         assert torch.allclose(served.model(ids).logits, got, atol=1e-5)

@@ -282,6 +282,8 @@ class _Failing(torch.nn.Module):
     def forward(self, *args, **kwargs):
         raise RuntimeError("secret detail: /srv/weights at 0xdeadbeef")
 
+    hidden_states = forward  # a prompt's chunk goes through it (generate.prompt_logits)
+
 
 class _Letters:
     """Decodes a fixed token sequence to the letters given (a test double of the tokenizer's stream)."""

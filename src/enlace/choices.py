@@ -15,13 +15,13 @@ MuonAdjustLr = Literal["original", "match_rms_adamw"]  # how torch.optim.Muon sc
 NewtonSchulzDtype = Literal["bf16", "fp32"]  # the dtype of Muon's Newton-Schulz matmuls (train/optim.py)
 DecodeWeights = Literal["auto", "fp32", "bf16", "int8"]  # generation weights (generate.decode_weights)
 HeadWeights = Literal["same", "int8"]  # the output head's: as the rest, or int8 (generate.HEAD_WEIGHTS)
-# Which kernels decode (generate.decode_weights): auto lets the CPU kind choose, torch keeps torch's own (oneDNN
-# where it packs bf16, its int8 kernel), enlace takes ENLACE's decode kernels at every precision.
+# Which kernels decode (generate.decode_weights): auto takes ENLACE's decode kernels wherever they build (else
+# torch's), torch keeps torch's own (oneDNN where it packs bf16, its int8 kernel), enlace insists on ENLACE's.
 DecodeKernels = Literal["auto", "torch", "enlace"]
 KERNELS_HELP = (
-    "which kernels decode: auto (the CPU kind's choice: ENLACE's kernels for fp32 wherever they build, and for "
-    "bf16 and int8 where the CPU has no native bf16; torch's elsewhere), torch (torch's own everywhere) or "
-    "enlace (ENLACE's at every precision: to measure both paths on a CPU with native bf16)"
+    "which kernels decode: auto (ENLACE's kernels at every precision wherever they build, with oneDNN's bf16 "
+    "GEMM for prefills on a CPU with native bf16; torch's elsewhere), torch (torch's own everywhere: oneDNN's "
+    "packed bf16, torch's int8 kernel) or enlace (ENLACE's, refused where they do not build)"
 )
 HEAD_HELP = (
     "the output head's weights: same (as --weights) or int8 (weight-only, a scale per row, whatever --weights "

@@ -103,16 +103,18 @@ PREFILL_BLOCK = 1 << 22  # int8 or bf16 weights widened at once by a prefill on 
 
 
 class Bf16Linear(nn.Module):
-    """bf16 weights on a CPU without native bf16, everything else fp32: a decode step's products run
-    ENLACE's kernel, which widens each bf16 weight to fp32 exactly (a shift) before its multiply-add, so a
-    token reads half the bytes of fp32 weights; a prefill's rows go to torch's fp32 GEMM on the weight
-    widened a block of rows at a time. The weight is a buffer (the model's parameters stay fp32: its KV
-    cache follows them). `release`: the fp32 rows' pages read from a mapped file are given back as they
-    are converted."""
+    """bf16 weights, everything else fp32: a decode step's products run ENLACE's kernel, which widens each
+    bf16 weight to fp32 exactly (a shift) before its multiply-add, so a token reads half the bytes of fp32
+    weights. A prefill's rows go to torch's fp32 GEMM on the weight widened a block of rows at a time, or,
+    with `bf16_prefill` (a CPU with native bf16), to oneDNN's bf16 GEMM on the weight as it is (activations
+    rounded to bf16, sums in fp32, as llama.cpp's BF16 does). The weight is a buffer (the model's parameters
+    stay fp32: its KV cache follows them). `release`: the fp32 rows' pages read from a mapped file are given
+    back as they are converted."""
 
-    def __init__(self, linear: nn.Linear, release: bool = False):
+    def __init__(self, linear: nn.Linear, release: bool = False, bf16_prefill: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bf16_prefill = bf16_prefill
         w = linear.weight.detach()
         weight = torch.empty(w.shape, dtype=torch.bfloat16, device=w.device)
         rows = max(1, PREFILL_BLOCK // self.in_features)
@@ -125,6 +127,8 @@ class Bf16Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if decode_rows(x, self.in_features):
             return torch.ops.enlace.linear_bf16(x, self.weight)
+        if self.bf16_prefill:
+            return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
         rows = max(1, PREFILL_BLOCK // self.in_features)
         parts = [F.linear(x, self.weight[r : r + rows].float()) for r in range(0, self.out_features, rows)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
@@ -157,10 +161,12 @@ class Int8Linear(nn.Module):
         dtype: torch.dtype = torch.bfloat16,
         kernel: bool = False,
         release: bool = False,
+        bf16_prefill: bool = False,
     ):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.kernel = kernel and dtype == torch.float32
+        self.bf16_prefill = bf16_prefill
         w = linear.weight.detach()
         codes = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
@@ -185,15 +191,19 @@ class Int8Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _prefill(self, x: torch.Tensor) -> torch.Tensor:
-        """Many fp32 rows (a prompt): torch's fp32 GEMM on the weight dequantised a block of rows at a time.
+        """Many fp32 rows (a prompt): torch's fp32 GEMM on the weight dequantised a block of rows at a time,
+        or with `bf16_prefill` (a CPU with native bf16) oneDNN's bf16 GEMM on bf16 activations and blocks.
         torch's int8 kernel takes fp32 activations at a few GB/s (a 500-token SmolLM2 prompt took 34 s);
         a block of at most PREFILL_BLOCK values bounds the extra memory."""
         rows = max(1, PREFILL_BLOCK // self.in_features)
+        dtype = torch.bfloat16 if self.bf16_prefill else torch.float32
+        xs = x.to(dtype)
         parts = [
-            F.linear(x, self.weight[r : r + rows].float() * self.scales[r : r + rows, None])
+            F.linear(xs, (self.weight[r : r + rows].float() * self.scales[r : r + rows, None]).to(dtype))
             for r in range(0, self.out_features, rows)
         ]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, as an fp32 matrix (a new tensor: for scoring, not decoding)."""
@@ -306,16 +316,17 @@ def decode_weights(
 ) -> Llama:
     """Convert `model` in place for inference with `weights` (see DECODE_WEIGHTS); returns it.
 
-    fp32 keeps the weights; on a CPU where ENLACE's decode kernels build (kernel_choice "auto"; "torch"
-    keeps torch's own) its linear layers decode through them. kernel_choice "enlace" decodes bf16 and int8
-    through them too on a CPU with native bf16, as where it has none (refused where they do not build). bf16 turns norms, embedding, activations and
-    KV cache into bf16 and every linear layer into a packed bf16 module, except on a CPU whose oneDNN has
-    no bf16 kernels: there the linear weights alone become bf16 (Bf16Linear, one copy of a tied head) and
-    decode through ENLACE's kernels with the rest in fp32. int8 does the same as bf16 with int8
-    linears, except on a CPU without native bf16 where the kernels build: there the rest stays fp32 and the
-    int8 linears decode through ENLACE's kernel. Either way the model can no longer be trained. A tied model
-    keeps one copy in int8 (the embedding reads the head's int8 rows); in bf16 the packed head is a second
-    copy, as oneDNN's blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8 is refused.
+    Where ENLACE's decode kernels build, kernel_choice "auto" (and "enlace", which is refused where they do
+    not) decodes every precision through them: fp32 keeps the weights; bf16 turns the linear weights alone
+    into bf16 (Bf16Linear, one copy of a tied head) and int8 into int8 (Int8Linear, its fp32-activation
+    kernel), the rest staying fp32. On a CPU with native bf16 their prefills run oneDNN's bf16 GEMM. On 2 Zen
+    4 cores (native bf16) this decoded served SmolLM2 at 101 tokens/s in bf16 and 138 in int8, against 41
+    and 52 through torch's own kernels (docs/llama-cpp.md). kernel_choice "torch", or a CPU where the
+    kernels do not build, keeps torch's: bf16 turns norms, embedding, activations and KV cache into bf16 and
+    every linear layer into a packed bf16 module (oneDNN), int8 does the same with torch's int8 kernel on
+    bf16 activations. Either way the model can no longer be trained. A tied model keeps one copy in int8
+    (the embedding reads the head's int8 rows); in packed bf16 the head is a second copy, as oneDNN's
+    blocked layout cannot be read by rows. Off CPU, bf16 is a plain cast and int8 is refused.
     head "int8": the output head in int8 whatever `weights` is (quantised from the fp32 weights, its
     activations in the model's dtype), and a tied embedding reads its rows: one int8 copy where Gemma 3
     270M's 262k x 640 head and embedding were 63% of its fp32 bytes.
@@ -334,12 +345,16 @@ def decode_weights(
             f"({kernels.why_unavailable() if cpu else 'they are CPU kernels'}); use --kernels auto"
         )
     # bf16 on ENLACE's kernels: where oneDNN has no bf16 kernels (resolve_decode_weights allowed it: they are
-    # built), or everywhere when asked.
+    # built), and wherever they build unless torch's are asked for.
     bf16_own = (
         weights == "bf16"
         and cpu
         and torch.backends.mkldnn.is_available()
-        and (everywhere or bool(onednn_bf16_missing(flags)))
+        and (
+            everywhere
+            or bool(onednn_bf16_missing(flags))
+            or (kernel_choice == "auto" and kernels.available())
+        )
     )
     if bf16_own and kernel_choice == "torch":
         raise HardwareError(
@@ -358,12 +373,14 @@ def decode_weights(
         int8_head(model.eval(), kernel=own)
     if weights == "fp32":
         return _with_layers_step(_replace_linears(model.eval(), KernelLinear)) if own else model
+    # Prefills (many rows) on a CPU with native bf16: oneDNN's bf16 GEMM, at several times fp32's rate.
+    bf16_prefill = cpu and cpu_bf16_native(flags) is not None and onednn_bf16_missing(flags) is None
     if bf16_own:  # the rest stays fp32: the kernels take fp32 activations
-        _replace_linears(model.eval(), lambda linear: Bf16Linear(linear, release=True))
+        _replace_linears(model.eval(), lambda linear: Bf16Linear(linear, True, bf16_prefill))
         if model.cfg.tie_embeddings and isinstance(model.lm_head, Bf16Linear):
             model.model.embed_tokens = Bf16Embedding(model.lm_head)
         return _with_layers_step(model)
-    fp32_int8 = weights == "int8" and own and (everywhere or not cpu_bf16_native(flags))
+    fp32_int8 = weights == "int8" and own
     if not fp32_int8:
         model.eval().to(torch.bfloat16)  # an int8 head's scales too: its activations follow the model's
     if not cpu or (weights == "bf16" and not torch.backends.mkldnn.is_available()):
@@ -371,7 +388,10 @@ def decode_weights(
     if weights == "bf16":
         return _replace_linears(model, PackedLinear)
     act = torch.float32 if fp32_int8 else torch.bfloat16
-    _replace_linears(model, lambda linear: Int8Linear(linear, act, kernel=fp32_int8, release=True))
+    _replace_linears(
+        model,
+        lambda linear: Int8Linear(linear, act, kernel=fp32_int8, release=True, bf16_prefill=bf16_prefill),
+    )
     if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return _with_layers_step(model) if fp32_int8 else model
@@ -647,9 +667,7 @@ def generate(
     gen = torch.Generator(device="cpu").manual_seed(seed)
     stop = set(eos_ids)
     guard = RepeatGuard(repetition_penalty, no_repeat_ngram, keep=stop, copy=copy, prompt_ids=prompt_ids)
-    # The head on the last position only: a prefill needs no other logits (for a 262k vocabulary and a long
-    # prompt the rest would be most of its work).
-    logits = model(torch.tensor([prompt_ids], device=device), cache=cache, last_only=True).logits[:, -1]
+    logits = prompt_logits(model, torch.tensor([prompt_ids], device=device), cache)
     for _ in range(max_new_tokens):
         nxt = sample_next(guard.apply(logits.cpu()), temperature, top_k, top_p, gen)
         token = int(nxt.item())
@@ -658,6 +676,21 @@ def generate(
             return
         guard.push(token)
         logits = model(nxt.view(1, 1).to(device), cache=cache).logits[:, -1]
+
+
+def prompt_logits(model: Llama, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """The logits [B, V] after `ids` [B, T], their keys and values written into `cache` from its position on.
+
+    All but the last id go in as one chunk with no head at all (for a 262k vocabulary and a long prompt the
+    head's other rows would be most of the work); the last id goes in as a decode step. So the first new
+    token's logits come from the same computation however the positions before it got into the cache
+    (prefilled here, copied from a prefix cache, or written by an earlier turn): a seeded request repeated
+    gives the same tokens whatever the server's prompt cache held. A prefill chunk and a decode step differ
+    in their float sums' order (and on a CPU with native bf16 in precision: the chunk runs bf16 GEMMs).
+    """
+    if ids.shape[1] > 1:
+        model.hidden_states(ids[:, :-1], cache)
+    return model(ids[:, -1:], cache=cache).logits[:, -1]
 
 
 @dataclass
@@ -675,7 +708,7 @@ def prefill(model: Llama, ids: list[int], device: str | torch.device = "cpu") ->
     model.eval()
     dtype = next(model.parameters()).dtype
     cache = KVCache.empty(model.cfg, 1, len(ids), torch.device(device), dtype)
-    model(torch.tensor([ids], device=device), cache=cache, last_only=True)
+    model.hidden_states(torch.tensor([ids], device=device), cache)
     return Prefilled(list(ids), cache)
 
 
@@ -692,8 +725,7 @@ def _start(model: Llama, prompt_ids: list[int], size: int, prefix: Prefilled | N
         for dst, src in zip(cache.k + cache.v, prefix.cache.k + prefix.cache.v, strict=True):
             dst[:, :, :shared] = src[:, :, :shared]
         cache.pos = shared
-    rest = torch.tensor([prompt_ids[shared:]], device=device)
-    return cache, model(rest, cache=cache, last_only=True).logits[:, -1]
+    return cache, prompt_logits(model, torch.tensor([prompt_ids[shared:]], device=device), cache)
 
 
 @torch.inference_mode()

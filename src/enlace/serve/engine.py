@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..generate import RepeatGuard, sample_next
+from ..generate import RepeatGuard, prompt_logits, sample_next
 from ..load.preamble import StopScanner
 from ..model import KVCache, SlotCache
 from ..runtime import release_openmp_team
@@ -301,7 +301,7 @@ class Engine:
             row = cache.cache.row(len(self._active))
             slot.cached = self._prefix.load(r.prompt_ids, row) if self._prefix else 0
             ids = torch.tensor([r.prompt_ids[slot.cached :]], device=served.device)
-            logits = served.model(ids, cache=row, last_only=True).logits[:, -1]
+            logits = prompt_logits(served.model, ids, row)
             slot.ids, slot.length = list(r.prompt_ids), len(r.prompt_ids)
             if self._prefix is not None:  # at once: a request joining before this one ends reuses it too
                 self._prefix.store(slot.ids, row, slot.length)

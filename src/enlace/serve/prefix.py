@@ -15,7 +15,9 @@ limit x bytes_per_token (2 x layers x KV heads x head_dim x the cache dtype's si
 Reuse is exact in what it computes: position i's keys and values depend only on tokens 0..i, and the cache
 holds every position (a sliding-window layer masks old ones, it does not drop them), so a prefill that
 starts at position n after a copy attends to what a whole prefill would. Only the float sums' order
-differs (a chunk of T tokens against one of n + T), as between any two prefill lengths.
+differs (a chunk of T tokens against one of n + T), as between any two prefill lengths. A prompt's last
+token always goes in as a decode step (generate.prompt_logits), so a request repeated exactly gets the same
+first logits, and with its seed the same tokens, whether or not its prompt was kept here.
 Only the compute thread touches it.
 """
 
