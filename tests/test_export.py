@@ -466,7 +466,7 @@ def test_merged_export_of_a_byte_level_bpe_base_as_gguf(tmp_path, caplog):
     assert all(torch.equal(state[k], v.half().float() if v.dim() > 1 else v) for k, v in merged.items())
 
 
-def test_ablation_scores_the_choices_as_bench_es_does(in_project):
+def test_ablation_scores_the_choices_as_bench_es_does(in_project, monkeypatch):
     """The ablation table's minimal-pair and continuation columns are `make bench-es`'s scores of the run's
     export; the scratch export is removed again."""
     from enlace.ablate.runner import choices
@@ -490,3 +490,10 @@ def test_ablation_scores_the_choices_as_bench_es_does(in_project):
     scratch = in_project / "native-scorer"
     m = choice_metrics(*native_scorer(Path("runs/pretrain"), scratch), items)
     assert {k: m[k] for k in got} == got
+    # bench/pairs_paired.py's item-by-item answers add up to the same accuracy; McNemar's exact test.
+    monkeypatch.syspath_prepend(str(ROOT))  # bench/ is a package at the repository's root
+    from bench.pairs_paired import compare, correct_items, mcnemar_exact
+
+    answers = correct_items(Path("runs/pretrain"))
+    assert compare(answers, answers)["a_acc"] == got["pairs_acc"] and compare(answers, answers)["mcnemar_p"] == 1.0
+    assert mcnemar_exact(0, 5) == 0.0625 and mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(2, 12) < 0.05
