@@ -495,5 +495,8 @@ def test_ablation_scores_the_choices_as_bench_es_does(in_project, monkeypatch):
     from bench.pairs_paired import compare, correct_items, mcnemar_exact
 
     answers = correct_items(Path("runs/pretrain"))
-    assert compare(answers, answers)["a_acc"] == got["pairs_acc"] and compare(answers, answers)["mcnemar_p"] == 1.0
+    assert (
+        compare(answers, answers)["a_acc"] == got["pairs_acc"]
+        and compare(answers, answers)["mcnemar_p"] == 1.0
+    )
     assert mcnemar_exact(0, 5) == 0.0625 and mcnemar_exact(3, 3) == 1.0 and mcnemar_exact(2, 12) < 0.05
