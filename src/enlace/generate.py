@@ -336,30 +336,7 @@ def decode_weights(
 
     weights = resolve_decode_weights(weights, device, flags)
     cpu = torch.device(device).type == "cpu"
-    if kernel_choice not in KERNEL_CHOICES:
-        raise ValueError(f"kernels {kernel_choice!r}: choose from {', '.join(KERNEL_CHOICES)}")
-    everywhere = kernel_choice == "enlace"
-    if everywhere and not (cpu and kernels.available()):
-        raise HardwareError(
-            f"--kernels enlace on {device}: ENLACE's decode kernels are not available "
-            f"({kernels.why_unavailable() if cpu else 'they are CPU kernels'}); use --kernels auto"
-        )
-    # bf16 on ENLACE's kernels: where oneDNN has no bf16 kernels (resolve_decode_weights allowed it: they are
-    # built), and wherever they build unless torch's are asked for.
-    bf16_own = (
-        weights == "bf16"
-        and cpu
-        and torch.backends.mkldnn.is_available()
-        and (
-            everywhere
-            or bool(onednn_bf16_missing(flags))
-            or (kernel_choice == "auto" and kernels.available())
-        )
-    )
-    if bf16_own and kernel_choice == "torch":
-        raise HardwareError(
-            f"decode weights bf16, kernel_choice {kernel_choice!r}: {onednn_bf16_missing(flags)}"
-        )
+    bf16_own = _bf16_on_own_kernels(weights, device, kernel_choice, flags)
     if head not in HEAD_WEIGHTS:
         raise ValueError(f"head weights {head!r}: choose from {', '.join(HEAD_WEIGHTS)}")
     if "int8" in (weights, head) and not cpu:
@@ -395,6 +372,38 @@ def decode_weights(
     if model.cfg.tie_embeddings:
         model.model.embed_tokens = Int8Embedding(model.lm_head)
     return _with_layers_step(model) if fp32_int8 else model
+
+
+def _bf16_on_own_kernels(weights: str, device: str | torch.device, kernel_choice: str, flags) -> bool:
+    """Whether bf16 weights decode on ENLACE's kernels: where oneDNN has no bf16 kernels
+    (resolve_decode_weights allowed it: they are built), and wherever they build unless torch's are asked
+    for. Refuses a kernel choice that cannot run here."""
+    from .runtime import onednn_bf16_missing
+
+    cpu = torch.device(device).type == "cpu"
+    if kernel_choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels {kernel_choice!r}: choose from {', '.join(KERNEL_CHOICES)}")
+    everywhere = kernel_choice == "enlace"
+    if everywhere and not (cpu and kernels.available()):
+        raise HardwareError(
+            f"--kernels enlace on {device}: ENLACE's decode kernels are not available "
+            f"({kernels.why_unavailable() if cpu else 'they are CPU kernels'}); use --kernels auto"
+        )
+    bf16_own = (
+        weights == "bf16"
+        and cpu
+        and torch.backends.mkldnn.is_available()
+        and (
+            everywhere
+            or bool(onednn_bf16_missing(flags))
+            or (kernel_choice == "auto" and kernels.available())
+        )
+    )
+    if bf16_own and kernel_choice == "torch":
+        raise HardwareError(
+            f"decode weights bf16, kernel_choice {kernel_choice!r}: {onednn_bf16_missing(flags)}"
+        )
+    return bf16_own
 
 
 def _with_layers_step(model: Llama) -> Llama:
