@@ -36,10 +36,11 @@ browser-deps:
 	  (echo "error: chromium is missing and could not be installed (apt-get install chromium); the chat page's browser test needs it" >&2; exit 1)
 
 # The default run's stages and what they depend on. The assistant `make serve` answers with afterwards is Gemma 3
-# aligned in context (configs/assistant/gemma3-preamble.yaml): it needs only the import, no training, so the run's
-# minutes go to pretraining. The SmolLM2 LoRA stages (finetune, finetune-eval) are `make finetune`'s: judged on
-# the same questions, that assistant answered fewer on topic (docs/assistant.md).
-RUN_STAGES := eval export bench-es import-gemma3
+# aligned in context (configs/assistant/gemma3-preamble.yaml) plus the LoRA the `assistant` stage trains in that
+# preamble's format (about 4 min on 2 Zen 4 cores; docs/assistant.md: on the judge's test questions it answered
+# more on topic than the preamble alone and kept its facts). The SmolLM2 LoRA stages (finetune, finetune-eval)
+# are `make finetune`'s: judged on the same questions, that assistant answered fewer on topic.
+RUN_STAGES := eval export bench-es import-gemma3 assistant
 run: $(STAMP) system-deps
 	$(BIN)/dvc repro $(RUN_STAGES)
 	$(BIN)/enlace report
@@ -94,21 +95,19 @@ bench: $(STAMP) llama-cpp llama-cpp-native
 	$(BIN)/python -m bench
 
 # The assistant over an OpenAI-compatible API, chat page at http://127.0.0.1:8080/: Gemma 3 in context once
-# `make run` (or `make assistant`) imported it, with `make assistant`'s LoRA once that trained it for the spec
-# as it is; else SmolLM2 + LoRA from `make finetune`.
+# `make run` (or `make assistant`) imported it, with the `assistant` stage's LoRA once that trained it for the
+# spec as it is; else SmolLM2 + LoRA from `make finetune`.
 # Other models or options: make serve SERVE_ARGS="--model models/smollm2-135m-instruct --port 8081"
 SERVE_ARGS ?=
 serve: $(STAMP)
 	$(BIN)/enlace serve $(SERVE_ARGS)
 
 # The Spanish assistant: Gemma 3 270M from PyPI aligned in context by the served preamble, plus a LoRA trained in
-# that preamble's own format (configs/finetune/gemma3-preamble-mid.yaml; docs/assistant.md: it answered more of
-# the test questions on topic than the preamble alone and kept its facts), then its answers to the test
-# questions judged and its held-out loss in that format. `make serve` then answers with both. Outside `make run`:
-# about 17 min on 2 AVX2 cores.
+# that preamble's own format (the `assistant` stage, which `make run` runs too; configs/finetune/gemma3-preamble-mid.yaml),
+# then its held-out loss in that format and its answers to the judge's test questions (greedy; about 5 min on 2
+# Zen 4 cores). `make serve` answers with both.
 assistant: $(STAMP)
-	$(BIN)/dvc repro import-gemma3
-	$(BIN)/enlace finetune --finetune gemma3-preamble-mid
+	$(BIN)/dvc repro assistant
 	$(BIN)/enlace finetune-eval --finetune gemma3-preamble-mid
 	$(BIN)/enlace judge --assistant configs/assistant/gemma3-preamble.yaml \
 	  --adapter runs/assistant-preamble-mid/adapter --split test --decodings greedy --max-new-tokens 128 \

@@ -143,6 +143,9 @@ def test_distinct_2_and_language_checks():
     assert distinct_2(["uno dos", "tres cuatro"]) == 1.0
     assert is_spanish("Puedes preparar una tortilla de patatas con la cebolla.")
     assert not is_spanish("You can make a potato omelette with the onion.")
+    # Too short for the function-word vote: Spanish spelling decides, and no evidence is no Spanish.
+    assert is_spanish("«¡Vamos a jugar! ¡Vamos a jugar!»") and is_spanish("Sí, está en África.")
+    assert not is_spanish("Actor.") and not is_spanish("Yes, of course.") and not is_spanish("Ça va.")
     c = answer_checks(["¿Por qué? ¿Por qué? ¿Por qué?", "Para la cena, una tortilla de patatas."])
     assert c["looping"] == 0.5 and c["spanish"] == 1.0
 

@@ -22,6 +22,7 @@ BENCH_ES = (
 # The assistant `enlace serve` answers with by default once its base is imported: Gemma 3 270M aligned in
 # context (docs/assistant.md: it beats the fine-tunes on the judge's fact questions).
 DEFAULT_ASSISTANT = Path("configs/assistant/gemma3-preamble.yaml")
-# The LoRA `make assistant` trains in that spec's own format (configs/finetune/gemma3-preamble-mid.yaml): once it
-# exists, and was trained with the spec's present text, `enlace serve` answers with the spec plus it.
+# The LoRA the `assistant` stage (`make run`, `make assistant`) trains in that spec's own format
+# (configs/finetune/gemma3-preamble-mid.yaml): once it exists, and was trained with the spec's present text,
+# `enlace serve` answers with the spec plus it.
 DEFAULT_ASSISTANT_ADAPTER = RUNS / "assistant-preamble-mid" / "adapter"

@@ -48,15 +48,23 @@ def distinct_2(texts: list[str]) -> float:
 LINGUA_MIN_WORDS = 8  # below this lingua guesses ("¿Por qué? ¿Por qué? ¿Por qué?" came out French)
 
 
+# Letters and marks Spanish spells with and English does not: in an answer too short for the function-word vote
+# ("¡Vamos a jugar!" has none of either list), they are the evidence left.
+SPANISH_MARKS = re.compile(r"[¡¿ñÑáéíóúÁÉÍÓÚ]")
+
+
 def is_spanish(text: str) -> bool:
     """More Spanish than English function words (the corpus cleaner's vote, over a whole answer), and, from
     LINGUA_MIN_WORDS words on, Spanish for lingua among the languages it is confused with: the vote alone
-    takes Portuguese or Italian for Spanish, since they share "de", "a", "que"."""
+    takes Portuguese or Italian for Spanish, since they share "de", "a", "que". A short answer the vote cannot
+    decide (a tie, mostly none of either list) is Spanish when it spells as only Spanish does (SPANISH_MARKS);
+    "Actor." or "Yes." is not taken for Spanish."""
     words = [w.lower() for w in WORD.findall(text)]
-    if sum(w in ES_WORDS for w in words) <= sum(w in EN_WORDS for w in words):
+    es, en = sum(w in ES_WORDS for w in words), sum(w in EN_WORDS for w in words)
+    if foreign_script_share(text) > MAX_FOREIGN_SCRIPT or es < en:
         return False
-    if foreign_script_share(text) > MAX_FOREIGN_SCRIPT:
-        return False
+    if es == en:
+        return len(words) < LINGUA_MIN_WORDS and SPANISH_MARKS.search(text) is not None
     return len(words) < LINGUA_MIN_WORDS or is_spanish_lingua(text)
 
 

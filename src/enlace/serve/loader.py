@@ -67,7 +67,7 @@ def _token_text(loaded: Loaded) -> Callable[[int], str]:
 def resolve(model: str | None, adapter: str | None, default: Callable[[], tuple[Path, Path]]) -> tuple:
     """(kind, path, adapter) for --model/--adapter, as enlace.load.locate tells them. No --model: the in-context
     assistant (paths.DEFAULT_ASSISTANT) once its base is imported, with the LoRA trained in its format when
-    `make assistant` made one for its present text (default_adapter); else `default()`'s base and adapter."""
+    the `assistant` stage (`make run`) made one for its present text (default_adapter); else `default()`'s base and adapter."""
     if model is None and adapter is None and _preamble_ready(DEFAULT_ASSISTANT):
         return "preamble", DEFAULT_ASSISTANT, default_adapter(DEFAULT_ASSISTANT, DEFAULT_ASSISTANT_ADAPTER)
     if model is None:
@@ -103,8 +103,8 @@ def default_adapter(spec: Path, adapter: Path) -> Path | None:
         trained = None
         print(f"warning: {e}", file=sys.stderr)
     if trained != load_spec(spec).text_fingerprint():
-        print(f"warning: not serving {adapter}: it was not trained with {spec} as it is now (`make assistant` "
-              "trains it again); serving the spec alone", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"warning: not serving {adapter}: it was not trained with {spec} as it is now (`dvc repro "
+              "assistant` trains it again); serving the spec alone", file=sys.stderr, flush=True)  # fmt: skip
         return None
     return adapter
 
