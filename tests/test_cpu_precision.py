@@ -122,7 +122,9 @@ def test_the_fine_tune_takes_its_kinds_recipe_too():
     assert fp32.cfg.finetune.max_steps == fp32.recipe["finetune.max_steps"] < cfg.finetune.max_steps
     assert "recipe for finetune smollm2-es: finetune.max_steps=" in fp32.line()
     # The assistant stage's layer (`enlace finetune --finetune gemma3-preamble-mid` in `make run`) has its own.
-    mid = load_config(ROOT / "params.yaml", layers=("hardware", "finetune"), select={"finetune": "gemma3-preamble-mid"})
+    mid = load_config(
+        ROOT / "params.yaml", layers=("hardware", "finetune"), select={"finetune": "gemma3-preamble-mid"}
+    )
     fp32, bf16 = runtime.resolve_run(mid, AVX2_ONLY, "AVX2"), runtime.resolve_run(mid, NATIVE, "AVX512")
     assert bf16.cfg.finetune.max_steps == mid.finetune.max_steps == 48 and bf16.recipe == {}
     assert fp32.cfg.finetune.max_steps == 24 and fp32.cfg.finetune.schedule.warmup_steps == 2
