@@ -61,6 +61,28 @@ def test_same_config_twice_gives_identical_files(tmp_path):
         assert checkpoint_digests(a) == checkpoint_digests(b)
 
 
+def test_a_tensor_file_has_the_same_bytes_from_any_process(tmp_path):
+    """safetensors orders a file's metadata by a Rust HashMap, seeded per process: io.write_safetensors sorts
+    it, so the same tensors and metadata give the same bytes (and checksum) in every process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch; from enlace.io import write_safetensors; "
+        "write_safetensors(sys.argv[1], {'w': torch.arange(6.0)}, {k: k * 3 for k in 'fedcba'})"
+    )
+    files = [tmp_path / f"{i}.safetensors" for i in range(4)]
+    for f in files:
+        subprocess.run([sys.executable, "-c", script, str(f)], check=True)
+    assert len({sha256_file(f) for f in files}) == 1
+    from safetensors import safe_open
+
+    with safe_open(str(files[0]), "pt") as f:
+        assert f.metadata() == {k: k * 3 for k in "abcdef"} and torch.equal(
+            f.get_tensor("w"), torch.arange(6.0)
+        )
+
+
 def test_tensor_file_is_safetensors_and_hashed_while_written(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "WRITE_CHUNK", 1000)  # many chunks: odd sizes, tensors split across them
     g = torch.Generator().manual_seed(0)

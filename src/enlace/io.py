@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,10 +97,33 @@ def write_safetensors(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    sort_safetensors_metadata(tmp)
     os.chmod(tmp, 0o644)  # safetensors creates 0600 files; the folder is meant to be shared
     fsync_file(tmp)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def sort_safetensors_metadata(path: Path) -> None:
+    """Rewrite a safetensors file's header in place with its `__metadata__` keys sorted. safetensors writes
+    them from a Rust HashMap, whose order changes from process to process: the same tensors and metadata
+    gave files whose bytes, and so checksums, differed (two `make run`s' adapters, 2026-12-07). Same keys,
+    same length: the tensors' offsets do not move."""
+    with open(path, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        raw = f.read(size).decode("utf-8")
+        meta = json.loads(raw).get("__metadata__") or {}
+        if len(meta) < 2:
+            return
+
+        def compact(d: dict) -> str:
+            return json.dumps({"__metadata__": d}, separators=(",", ":"), ensure_ascii=False)[1:-1]
+
+        written = compact(meta)
+        if written not in raw:  # serde_json's compact form, as json.dumps spells it: should never happen
+            raise DataError(f"{path}: unexpected safetensors header layout, cannot order its metadata")
+        f.seek(8)
+        f.write(raw.replace(written, compact(dict(sorted(meta.items()))), 1).encode("utf-8"))
 
 
 def aside_name(final: Path) -> Path:
