@@ -44,10 +44,13 @@ def cfg_for(setup, out, **kw) -> FinetuneConfig:
     return FinetuneConfig(**{**base, **kw})
 
 
-def test_resume_is_exact(setup, tmp_path):
-    a = cfg_for(setup, tmp_path / "a")
+@pytest.mark.parametrize("neftune", [0.0, 5.0])
+def test_resume_is_exact(setup, tmp_path, neftune):
+    """With NEFTune too: its noise is drawn from the seed and the micro-batch number, not from a stream that a
+    resume would restart."""
+    a = cfg_for(setup, tmp_path / "a", neftune_alpha=neftune)
     finetune(a, HW, progress=False)
-    b = cfg_for(setup, tmp_path / "b")
+    b = cfg_for(setup, tmp_path / "b", neftune_alpha=neftune)
     finetune(b, HW, progress=False)
     # Lose everything after step 2, as a run killed between checkpoints would, then resume.
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000004")
@@ -59,14 +62,16 @@ def test_resume_is_exact(setup, tmp_path):
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(wa[k].abs().sum() > 0 for k in wa if "lora_B" in k)
     ma, mb = (json.loads((tmp_path / x / "adapter" / "manifest.json").read_text()) for x in "ab")
-    # safetensors writes its metadata in hash-map order, so the weights file's bytes (and sha256) may differ.
-    assert ma["files"].keys() == mb["files"].keys() and ma["kind"] == "lora-adapter"
-    assert ma["files"]["adapter_config.json"] == mb["files"]["adapter_config.json"]
+    # The same bytes too: io.write_safetensors orders the metadata that safetensors writes in hash-map order.
+    assert ma["files"] == mb["files"] and ma["kind"] == "lora-adapter"
     assert ma["provenance"]["config_hash"] and ma["provenance"]["base_fingerprint"]
     la = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     lb = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     strip = [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in la]
     assert strip == [{k: v for k, v in json.loads(x).items() if k != "s_per_step"} for x in lb]
+    if neftune:  # the noise reached the training: another adapter than the noiseless run's
+        finetune(cfg_for(setup, tmp_path / "c"), HW, progress=False)
+        assert not same(wa, adapter(tmp_path / "c"))
 
 
 def adapter(out: Path) -> dict[str, torch.Tensor]:
@@ -246,3 +251,29 @@ def test_busy_run_folder_is_refused_before_anything_is_written(setup, tmp_path):
         os.close(fd)
     r = finetune(cfg_for(setup, out), HW, progress=False)  # the holder gone, the run goes ahead
     assert r.last["step"] == 4 and (out / "adapter").exists()
+
+
+def test_neftune_noise_is_bounded_seeded_and_gone_after_the_forward(setup):
+    """NEFTune (finetune.neftune_alpha): uniform noise within alpha / sqrt(T d) on the embeddings, the same for
+    the same (seed, micro-batch), another for the next one, and none once the forward is done."""
+    import math
+
+    from enlace.finetune.train import neftune
+
+    model = load_model(setup[0]).model
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    clean = model.embed(ids)
+
+    def embedded(alpha: float, draw: tuple[int, int]) -> torch.Tensor:
+        with neftune(model, alpha, draw, ids):
+            return model.embed(ids)
+
+    noisy = embedded(5.0, (0, 3))
+    change = (noisy - clean).abs()
+    assert 0 < change.max() <= 5.0 / math.sqrt(7 * model.cfg.d_model) + 1e-6
+    assert (
+        change.mean() > 5.0 / math.sqrt(7 * model.cfg.d_model) / 4
+    )  # spread over the range, not a few entries
+    assert torch.equal(embedded(5.0, (0, 3)), noisy) and not torch.equal(embedded(5.0, (0, 4)), noisy)
+    assert torch.equal(embedded(0.0, (0, 3)), clean) and model.embed_noise is None
+    assert torch.equal(model.embed(ids), clean)

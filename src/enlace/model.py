@@ -428,6 +428,9 @@ class Llama(nn.Module):
         # Decoding only: one step of one new token per row through every layer at once, given the embedded
         # rows [B, d], their positions [B] and the caches' keys and values (generate.KernelDecode sets it).
         self.layers_step: Callable[[torch.Tensor, torch.Tensor, list, list], None] | None = None
+        # Fine-tuning only: NEFTune's noise [B, T, d] for the next forward's embeddings (finetune.train.neftune
+        # sets and clears it); a tensor input rather than a hook, so a compiled step takes it as one.
+        self.embed_noise: torch.Tensor | None = None
         self.model = Decoder(cfg, sdpa_backend)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -490,6 +493,8 @@ class Llama(nn.Module):
         if self.cfg.embed_scale:
             # The scale in the embedding's dtype, as Gemma's reference rounds it (25.25 for 640 in bf16).
             x = x * torch.tensor(self.cfg.d_model**0.5, dtype=x.dtype)
+        if self.embed_noise is not None:  # its length is the batch's; the loss may feed all but the last
+            x = x + self.embed_noise[:, : x.shape[1]].to(x.dtype)
         return x
 
     def _rope(self, x: torch.Tensor, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

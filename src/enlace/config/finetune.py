@@ -60,6 +60,10 @@ class FinetuneConfig(Strict):
     # Batches of similar length: each epoch's shuffle is sorted by length in runs of this many micro-batches,
     # whose order is then shuffled (finetune.data.epoch_order), so a batch pads less. 0: a plain shuffle.
     length_grouping: StrictInt = Field(default=0, ge=0)
+    # NEFTune (Jain et al., 2023): uniform noise of magnitude alpha / sqrt(length x width) added to the input
+    # embeddings (after Gemma's scale) at each training step, drawn from the seed and the step, so a resumed
+    # run draws the same. 0: off. The paper's alphas are 5, 10 and 15.
+    neftune_alpha: StrictFloat = Field(default=0.0, ge=0)
     optimizer: FinetuneOptimizer = FinetuneOptimizer()
     schedule: FinetuneSchedule = FinetuneSchedule()
     checkpoint: FinetuneCheckpoint = FinetuneCheckpoint()

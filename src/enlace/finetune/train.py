@@ -9,7 +9,9 @@ identity (settings, data, base model, code) that decides what may be resumed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -146,14 +148,37 @@ def micro_batches(
             for m in range(accum)
         ]
         total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
-        for b in batches:
-            yield {"input_ids": b["input_ids"].to(device), "labels": b["labels"].to(device), "total": total}
+        for m, b in enumerate(batches):
+            yield {"input_ids": b["input_ids"].to(device), "labels": b["labels"].to(device), "total": total,
+                   "draw": (cfg.seed, step * accum + m)}  # fmt: skip
         step += 1
 
 
-def sft_forward(model: torch.nn.Module, batch: dict[str, Any]):
-    s, n = assistant_loss_sum(model, batch["input_ids"], batch["labels"])
+def sft_forward(model: torch.nn.Module, batch: dict[str, Any], neftune_alpha: float = 0.0):
+    """The micro-batch's share of the step's loss; with neftune_alpha, on noisy input embeddings."""
+    with neftune(model, neftune_alpha, batch.get("draw", (0, 0)), batch["input_ids"]):
+        s, n = assistant_loss_sum(model, batch["input_ids"], batch["labels"])
     return s / max(batch["total"], 1), {"tokens": s.new_tensor(float(n))}
+
+
+@contextlib.contextmanager
+def neftune(model: torch.nn.Module, alpha: float, draw: tuple[int, int], input_ids: torch.Tensor):
+    """NEFTune for one forward: the model's embeddings plus uniform noise in [-alpha / sqrt(T d), +alpha /
+    sqrt(T d)] (T the padded length, d the width), drawn from a generator seeded by (seed, micro-batch
+    number): the same noise in a rerun and after a resume."""
+    raw = getattr(model, "_orig_mod", model)  # the Llama inside a compiled wrapper
+    if alpha <= 0:
+        yield
+        return
+    (b, t), d = input_ids.shape, raw.cfg.d_model
+    gen = torch.Generator().manual_seed(draw[0] * 1_000_003 + draw[1])
+    raw.embed_noise = ((torch.rand(b, t, d, generator=gen) * 2 - 1) * (alpha / math.sqrt(t * d))).to(
+        input_ids.device
+    )
+    try:
+        yield
+    finally:
+        raw.embed_noise = None
 
 
 class FinetuneTask:
@@ -194,7 +219,7 @@ class FinetuneTask:
         return micro_batches(self.data, self.pad_id, self.cfg, start_step, device)
 
     def forward(self, model: torch.nn.Module, batch: Any):
-        return sft_forward(model, batch)
+        return sft_forward(model, batch, self.cfg.neftune_alpha)
 
     def step_tokens(self, out: StepOutput) -> int:
         return int(round(out.parts["tokens"]))
