@@ -209,8 +209,8 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops(setup, tmp_path, monkeyp
     real, calls = ft_train.sft_forward, {"n": 0}
 
     def nan_on(steps):
-        def forward(model, batch):
-            loss, parts = real(model, batch)
+        def forward(model, batch, neftune_alpha=0.0):
+            loss, parts = real(model, batch, neftune_alpha)
             step = calls["n"] // 2  # grad_accum_steps 2
             calls["n"] += 1
             return (loss * float("nan") if step in steps else loss), parts
