@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED := 1
 # dvc.yaml calls `enlace`: the venv comes first on PATH.
 export PATH := $(abspath $(BIN)):$(PATH)
 
-.PHONY: run test test-fast test-native lint bench bench-es assistant finetune serve llama-cpp llama-cpp-native gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
+.PHONY: run test test-fast test-native lint bench bench-es assistant assistant-table finetune serve llama-cpp llama-cpp-native gpu-check system-deps browser-deps docker-cpu docker-2060 docker-5090 docker-test docker-pin docker-lock clean
 
 # The stamp depends on the pinned requirements: a second `make` reinstalls nothing,
 # a changed pin reinstalls exactly once.
@@ -112,6 +112,35 @@ assistant: $(STAMP)
 	$(BIN)/enlace judge --assistant configs/assistant/gemma3-preamble.yaml \
 	  --adapter runs/assistant-preamble-mid/adapter --split test --decodings greedy --max-new-tokens 128 \
 	  --out runs/assistant-preamble-mid/judge.json
+
+# Every assistant ENLACE makes, trained and judged in one run on this CPU (issue 40's table): SmolLM2 + LoRA (the
+# `finetune` stage), Gemma in context (the preamble alone), Gemma + LoRA on the instruction set in Gemma's chat
+# turns (gemma3-es), on the in-context Gemma's own answers (`enlace distill`, then gemma3-distill), and in the
+# preamble's format (the `assistant` stage; gemma3-preamble-facts adds the short fact answers). Greedy, on the
+# judge's 95 test questions; the table goes to runs/assistant_table/table.md. About 50 min on 2 Zen 4 cores.
+TABLE := runs/assistant_table
+JUDGE_TEST := --split test --decodings greedy --max-new-tokens 128
+PREAMBLE := --assistant configs/assistant/gemma3-preamble.yaml
+assistant-table: $(STAMP)
+	$(BIN)/dvc repro finetune assistant
+	$(BIN)/enlace finetune --finetune gemma3-es
+	$(BIN)/enlace distill --out runs/distill
+	$(BIN)/enlace finetune --finetune gemma3-distill
+	$(BIN)/enlace finetune --finetune gemma3-preamble-facts
+	$(BIN)/enlace judge --model models/smollm2-135m-instruct --adapter runs/finetune/adapter $(JUDGE_TEST) \
+	  --out $(TABLE)/smollm2-lora.json
+	$(BIN)/enlace judge $(PREAMBLE) $(JUDGE_TEST) --out $(TABLE)/gemma3-preamble.json
+	$(BIN)/enlace judge --model models/gemma3-270m --adapter runs/assistant/adapter $(JUDGE_TEST) \
+	  --out $(TABLE)/gemma3-lora-es.json
+	$(BIN)/enlace judge --model models/gemma3-270m --adapter runs/assistant-distill/adapter $(JUDGE_TEST) \
+	  --out $(TABLE)/gemma3-lora-distill.json
+	$(BIN)/enlace judge $(PREAMBLE) --adapter runs/assistant-preamble-mid/adapter $(JUDGE_TEST) \
+	  --out $(TABLE)/gemma3-preamble-lora.json
+	$(BIN)/enlace judge $(PREAMBLE) --adapter runs/assistant-preamble-facts/adapter $(JUDGE_TEST) \
+	  --out $(TABLE)/gemma3-preamble-lora-facts.json
+	$(BIN)/enlace judge --table $(TABLE)/smollm2-lora.json $(TABLE)/gemma3-preamble.json $(TABLE)/gemma3-lora-es.json \
+	  $(TABLE)/gemma3-lora-distill.json $(TABLE)/gemma3-preamble-lora.json $(TABLE)/gemma3-preamble-lora-facts.json \
+	  --out $(TABLE)/table.md
 
 # The bases side by side on the same Spanish texts at fp32: ENLACE's pretrained model, SmolLM2-135M, Gemma 3
 # 270M and the assistant (`make assistant`); bits per byte and minimal pairs into runs/bench_bases/table.md.

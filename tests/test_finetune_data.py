@@ -20,6 +20,7 @@ from enlace.finetune.data import (
 from enlace.finetune.loss import assistant_loss_sum
 from enlace.hf.folder import load_hf_folder
 from enlace.hf.tokenizer import HFTokenizer
+from enlace.io import sha256_file
 from enlace.lora import inject_lora, lora_parameters
 from enlace.model import IGNORE_INDEX
 
@@ -62,6 +63,29 @@ def test_long_examples_are_dropped_and_counted(folder, tmp_path):
         [{"messages": [{"role": "user", "content": "hola"}, {"role": "assistant", "content": "¡Hola!"}]}],
     )
     assert len(load_dataset(tok, chat, "chat", max_len=100).examples) == 1
+
+
+def test_several_training_files_are_read_in_order_and_the_limit_spans_them(folder, tmp_path):
+    from enlace.config.finetune import FinetuneConfig
+    from enlace.finetune.train import data_fingerprint
+
+    tok = HFTokenizer(folder)
+    a, b = dolly_rows(3), dolly_rows(5)[3:]
+    first, second = write_jsonl(tmp_path / "a.jsonl", a), write_jsonl(tmp_path / "b.jsonl", b)
+    both = load_dataset(tok, [first, second], "dolly", max_len=200)
+    one_by_one = [load_dataset(tok, p, "dolly", max_len=200).examples for p in (first, second)]
+    assert both.examples == one_by_one[0] + one_by_one[1] and both.report()["read"] == 5
+    assert len(load_dataset(tok, [first, second], "dolly", max_len=200, limit=4).examples) == 4
+    with pytest.raises(DataError, match="missing.jsonl: not found"):
+        load_dataset(tok, [first, tmp_path / "missing.jsonl"], "dolly", max_len=200)
+    # The run's identity follows every file, in order; one file keeps its old fingerprint (its sha256).
+    assert data_fingerprint([str(first), str(second)]) != data_fingerprint([str(second), str(first)])
+    assert data_fingerprint([str(first)]) == sha256_file(first)[:16]
+    cfg = FinetuneConfig(name="t", train_data=[str(first), str(second)])
+    assert cfg.train_files == [str(first), str(second)]
+    assert FinetuneConfig(name="t", train_data=str(first)).train_files == [str(first)]
+    with pytest.raises(ValueError, match="no training file"):
+        FinetuneConfig(name="t", train_data=[])
 
 
 def test_collate_pads_right_with_pad_id(folder):

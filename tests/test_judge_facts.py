@@ -140,6 +140,22 @@ def test_no_question_is_in_a_training_file():
         assert near == [], (q.question, near)
 
 
+def test_the_fact_set_teaches_the_form_and_never_a_judge_key():
+    """The instruction set's short fact answers (`es_datos_train.jsonl`) are other facts: none states the key
+    or an accepted variant of any judge fact question, dev or test ("Septiembre tiene 30 días.", never
+    "París" or "56"), so training on them cannot hand the judge its answers."""
+    rows = [
+        json.loads(line) for line in (ROOT / "assets/instruct/es_datos_train.jsonl").open(encoding="utf-8")
+    ]
+    assert len(rows) >= 120 and {r["category"] for r in rows} == {"datos"}
+    facts = [q for q in read_questions(QUESTIONS, None) if q.kind == "fact"]
+    leaks = [
+        (r["response"], q.id, key) for r in rows for q in facts for key in (q.answer, *q.accept)
+        if mentions(r["response"], key)
+    ]  # fmt: skip
+    assert leaks == []
+
+
 def test_question_file_refuses_a_fact_without_key_and_a_bad_split(tmp_path):
     base = {"question": "¿Cuántas ruedas tiene una bici?", "keywords": ["pedales", "cadena"]}
     with pytest.raises(DataError, match=r"q\.jsonl:1: a fact question needs an answer key"):
@@ -258,3 +274,35 @@ def test_rejudge_applies_the_current_judge_to_stored_answers(qs):
     stored = {"decodings": {"greedy": {"answers": [row | {"ok": False, "spanish": False}]}}}
     d = rejudge(stored, list(qs.values()))["decodings"]["greedy"]
     assert d["answers"][0]["ok"] and d["summary"]["correct"]["k"] == 1 and d["rates"]["ok_rate"] == 1.0
+
+
+def test_judge_table_puts_stored_results_side_by_side(qs, tmp_path, capsys):
+    """`enlace judge --table A B --out T`: the results' rows in the order given, in the terminal and in T; a
+    missing or foreign file is a one-line error, and T is not written."""
+    from enlace.cli import main
+    from enlace.finetune.assistant import rejudge
+
+    q = qs["¿Cuál es la capital de Portugal?"]
+    paths = []
+    for name, answer in (("right", "Lisboa."), ("wrong", "Oporto.")):
+        row = {
+            "id": q.id,
+            "kind": "fact",
+            "question": q.question,
+            "answer": answer,
+            "tokens": 4,
+            "ended": True,
+        }
+        stored = rejudge({"assistant": name, "decodings": {"greedy": {"answers": [row]}}}, list(qs.values()))
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(stored), encoding="utf-8")
+    out = tmp_path / "table.md"
+    assert main(["judge", "--table", *map(str, paths), "--out", str(out)]) == 0
+    rows = [line for line in out.read_text(encoding="utf-8").splitlines() if line.startswith("| right") or
+            line.startswith("| wrong")]  # fmt: skip
+    assert [r.split(" | ")[0] for r in rows] == ["| right", "| wrong"]
+    assert "100% (1/1)" in rows[0].split(" | ")[3] and "0% (0/1)" in rows[1].split(" | ")[3]
+    (tmp_path / "foreign.json").write_text("{}", encoding="utf-8")
+    for bad in ("missing.json", "foreign.json"):
+        assert main(["judge", "--table", str(tmp_path / bad), "--out", str(tmp_path / "t2.md")]) != 0
+        assert bad in capsys.readouterr().err and not (tmp_path / "t2.md").exists()

@@ -39,7 +39,8 @@ class FinetuneConfig(Strict):
 
     name: str
     base_model: str = "models/smollm2-135m-instruct"  # a Hugging Face folder (enlace import-gguf makes one)
-    train_data: str = "assets/instruct/es_familia_train.jsonl"
+    # One instruction file or several, read in this order, each in `format` (a --data flag gives one).
+    train_data: str | list[str] = "assets/instruct/es_familia_train.jsonl"
     val_data: str = "assets/instruct/es_familia_val.jsonl"
     format: InstructFormat = "dolly"
     system_prompt: str | None = None  # null: the chat template's own default system message
@@ -91,6 +92,18 @@ class FinetuneConfig(Strict):
     # finetune-eval answers the fixed prompts as `enlace chat` would (same defaults, seeded), so its checks
     # measure what a user gets; greedy decoding loops on small models ("¿Por qué? ¿Por qué? ...").
     generation: GenerationConfig = FINETUNE_EVAL
+
+    @field_validator("train_data")
+    @classmethod
+    def _files(cls, v: str | list[str]) -> str | list[str]:
+        if isinstance(v, list) and not v:
+            raise ValueError("no training file; name one or several")
+        return v
+
+    @property
+    def train_files(self) -> list[str]:
+        """The training files, in reading order."""
+        return [self.train_data] if isinstance(self.train_data, str) else list(self.train_data)
 
     @field_validator("judge_decodings")
     @classmethod

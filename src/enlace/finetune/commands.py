@@ -127,6 +127,8 @@ def _judge(args: argparse.Namespace) -> int:
     from .assistant import decoding, judge_assistant, load_assistant, summary_table
     from .judge import interleave, read_questions
 
+    if args.table:
+        return _judge_table(args.table, args.out)
     if args.rejudge:
         from .assistant import rejudge
 
@@ -287,6 +289,30 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     _register_chat(sub)
 
 
+def _judge_table(paths: list[str], out: str | None) -> int:
+    """Stored results side by side, in the order given: one row per assistant and decoding."""
+    from ..io import atomic_write_text
+    from .assistant import summary_table
+
+    results = []
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise EnlaceError(f"--table {path}: no such result file")
+        try:
+            result = json.loads(path.read_text(encoding="utf-8"))
+            result["decodings"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise EnlaceError(f"--table {path}: not an `enlace judge` result ({e.__class__.__name__})") from e
+        results.append(result)
+    table = summary_table(results)
+    print(table, end="")
+    if out:
+        atomic_write_text(Path(out), table)
+        print(f"written to {out}")
+    return 0
+
+
 def _register_judge(sub: argparse._SubParsersAction) -> None:
     from ..choices import DecodeWeights, values
 
@@ -323,6 +349,10 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="result JSON (default runs/judge/<assistant>/judge.json)")
     p.add_argument("--verbose", action="store_true", help="a line per answer")
     p.add_argument("--rejudge", default=None, metavar="JSON", help="judge a stored result's answers again")
+    p.add_argument(
+        "--table", nargs="+", default=None, metavar="JSON",
+        help="print stored results side by side (one row per assistant and decoding; --out: also a file)",
+    )  # fmt: skip
     p.set_defaults(handler=_judge)
 
 

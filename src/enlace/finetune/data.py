@@ -164,16 +164,25 @@ def build_dataset(
 
 def load_dataset(
     tok: HFTokenizer,
-    path: Path,
+    paths: Path | list[Path],
     fmt: str,
     max_len: int,
     limit: int | None = None,
     system: str | None = None,
     preamble: PreambleSpec | None = None,
 ) -> Dataset:
-    ds = build_dataset(tok, read_conversations(path, fmt, system, limit), max_len, preamble)
+    """One instruction file or several, read in order; `limit` caps the examples of all of them together."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    conversations: list[list[Message]] = []
+    for path in paths:
+        left = None if limit is None else limit - len(conversations)
+        if left is not None and left <= 0:
+            break
+        conversations += read_conversations(path, fmt, system, left)
+    ds = build_dataset(tok, conversations, max_len, preamble)
     if not ds.examples:
-        raise DataError(f"{path}: every example was dropped ({ds.report()}); raise max_len?")
+        named = ", ".join(str(p) for p in paths)
+        raise DataError(f"{named}: every example was dropped ({ds.report()}); raise max_len?")
     return ds
 
 

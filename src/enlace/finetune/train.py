@@ -81,12 +81,19 @@ def base_fingerprint(folder: Path) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
+def data_fingerprint(files: list[str]) -> str:
+    """The training files by content and order; one file keeps the fingerprint it always had (its sha256)."""
+    digests = [sha256_file(Path(f)) for f in files]
+    joined = digests[0] if len(digests) == 1 else hashlib.sha256("\n".join(digests).encode()).hexdigest()
+    return joined[:16]
+
+
 def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
     """Everything that decides the adapter's weights."""
     keys = weight_keys({"finetune": cfg.model_dump(mode="json")}, CADENCE_KEYS)
     keys.update(
         {
-            "data.fingerprint": sha256_file(Path(cfg.train_data))[:16],
+            "data.fingerprint": data_fingerprint(cfg.train_files),
             "base.fingerprint": base_fingerprint(Path(cfg.base_model)),
             "hardware.dtype": resolve_hardware(hw).dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": hw.loss_scaler,
@@ -118,7 +125,13 @@ def prepare(cfg: FinetuneConfig, device: torch.device):
     torch.manual_seed(cfg.seed)
     inject_lora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout)
     data = load_dataset(
-        tok, Path(cfg.train_data), cfg.format, cfg.max_len, cfg.max_examples or None, cfg.system_prompt, spec
+        tok,
+        [Path(f) for f in cfg.train_files],
+        cfg.format,
+        cfg.max_len,
+        cfg.max_examples or None,
+        cfg.system_prompt,
+        spec,
     )
     return model, tok, data
 
