@@ -300,7 +300,7 @@ def test_judge_table_puts_stored_results_side_by_side(qs, tmp_path, capsys):
     assert main(["judge", "--table", *map(str, paths), "--out", str(out)]) == 0
     rows = [line for line in out.read_text(encoding="utf-8").splitlines() if line.startswith("| right") or
             line.startswith("| wrong")]  # fmt: skip
-    assert [r.split(" | ")[0] for r in rows] == ["| right", "| wrong"]
+    assert [r.split(" | ")[0] for r in rows] == ["| right: right", "| wrong: wrong"]  # file: assistant
     assert "100% (1/1)" in rows[0].split(" | ")[3] and "0% (0/1)" in rows[1].split(" | ")[3]
     (tmp_path / "foreign.json").write_text("{}", encoding="utf-8")
     for bad in ("missing.json", "foreign.json"):

@@ -290,7 +290,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _judge_table(paths: list[str], out: str | None) -> int:
-    """Stored results side by side, in the order given: one row per assistant and decoding."""
+    """Stored results side by side, in the order given: one row per file and decoding, named by both."""
     from ..io import atomic_write_text
     from .assistant import summary_table
 
@@ -304,7 +304,8 @@ def _judge_table(paths: list[str], out: str | None) -> int:
             result["decodings"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise EnlaceError(f"--table {path}: not an `enlace judge` result ({e.__class__.__name__})") from e
-        results.append(result)
+        # Two adapters on one base share a name ("gemma3-270m + LoRA"): the file names the row.
+        results.append(result | {"assistant": f"{path.stem}: {result.get('assistant', '?')}"})
     table = summary_table(results)
     print(table, end="")
     if out:
@@ -351,7 +352,7 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rejudge", default=None, metavar="JSON", help="judge a stored result's answers again")
     p.add_argument(
         "--table", nargs="+", default=None, metavar="JSON",
-        help="print stored results side by side (one row per assistant and decoding; --out: also a file)",
+        help="print stored results side by side (a row per file and decoding, named by both; --out: also a file)",
     )  # fmt: skip
     p.set_defaults(handler=_judge)
 
