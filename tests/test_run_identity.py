@@ -6,8 +6,10 @@ before the decay and ends bit-identical to a straight run.
 """
 
 import pytest
+import torch
 from helpers import checkpoint_digests, loaders_for, logged_losses, synthetic_text, tiny_config
 
+from enlace.runtime import numerics
 from enlace.train import trainer
 from enlace.train.checkpoint import list_checkpoints, step_dirname
 from enlace.train.identity import changed_keys
@@ -117,3 +119,29 @@ def test_model_code_is_part_of_every_run_identity(trainer_module):
 
     step_code = {m.__name__ for m in importlib.import_module(trainer_module).STEP_CODE}
     assert {"enlace.model", "enlace.train.step", "enlace.train.schedule"} <= step_code
+
+
+def test_a_run_does_not_resume_under_other_numerics(tmp_path, capsys):
+    # The thread count stands for any change of kernels (another CPU, another PyTorch): each sums in its own
+    # order, so a checkpoint resumed under them would not end where either machine's straight run ends.
+    threads = torch.get_num_threads()
+    two = {"hardware.num_threads": 2}
+    try:
+        run(tmp_path / "run", stop_after=6)  # the tests' profile: 1 thread
+        capsys.readouterr()
+        rerun = run(tmp_path / "run", two)
+        out = capsys.readouterr().out
+        assert rerun.resumed_from is None and "starting fresh" in out
+        assert "hardware.numerics: " in out and "1 threads" in out and "2 threads" in out
+        run(tmp_path / "fresh", two)
+    finally:
+        torch.set_num_threads(threads)
+    assert final_digests(tmp_path / "run") == final_digests(tmp_path / "fresh")
+
+
+def test_numerics_names_what_decides_the_bits():
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "sse2"})
+    text = numerics("cpu", flags)
+    assert f"torch {torch.__version__}" in text and "avx512_bf16 amx_bf16" in text
+    assert f"{torch.get_num_threads()} threads" in text and "sse2" not in text
+    assert numerics("cpu", frozenset({"avx2"})) != numerics("cpu", flags)

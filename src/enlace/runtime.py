@@ -104,6 +104,45 @@ def cpp_compiler() -> str | None:
     return shutil.which(_CXX)
 
 
+# What else decides the bits of a step on a CPU beyond its kind: the same config and code gave different first
+# losses on 2 cores of an AMD Zen 4 (avx512_bf16) and of an Intel Xeon with AMX (amx_bf16), both the bf16 kind
+# (oneDNN picks other kernels, which sum in another order), and a matmul differs with 1 and 2 threads.
+NUMERICS_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "avx512_fp16")
+
+
+def cpu_vendor(cpuinfo: Path = CPUINFO) -> str:
+    """The CPU's vendor as /proc/cpuinfo gives it (GenuineIntel, AuthenticAMD), or the machine's architecture."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return platform.machine() or "unknown"
+
+
+def numerics(device: torch.device | str, flags: frozenset[str] | None = None) -> str:
+    """What, besides the config and ENLACE's code, decides a step's bits on this device: PyTorch's version
+    and, on a CPU, its vendor, the instruction sets PyTorch's kernels choose from and the thread count (call
+    it after setup_runtime); on a GPU, its name and compute capability. Part of every run's identity, so a
+    run resumes bit for bit or not at all."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"torch {torch.__version__}; {torch.cuda.get_device_name(device)} (sm_{major}{minor})"
+    if device.type != "cpu":
+        return f"torch {torch.__version__}; {device.type}"
+    flags = cpu_flags() if flags is None else flags
+    isa = " ".join(f for f in NUMERICS_CPU_FLAGS if f in flags) or "no listed flags"
+    capability = torch.backends.cpu.get_cpu_capability()
+    return (
+        f"torch {torch.__version__}; {cpu_vendor()} ({isa}; PyTorch {capability}); "
+        f"{torch.get_num_threads()} threads"
+    )
+
+
 def resolve_cpu_dtype(flags: frozenset[str] | None = None, capability: str | None = None) -> str:
     """The precision `dtype: auto` means on a CPU, which names its kind: bf16 where it is native, else the
     fp32 reference."""

@@ -30,7 +30,7 @@ from ..io import sha256_file
 from ..load import load_model
 from ..load.preamble import PreambleSpec, load_spec
 from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
-from ..runtime import resolve_hardware
+from ..runtime import numerics, resolve_hardware
 from ..train import dist as D
 from ..train import loop as loop_module
 from ..train import schedule as schedule_module
@@ -88,8 +88,8 @@ def data_fingerprint(files: list[str]) -> str:
     return joined[:16]
 
 
-def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
-    """Everything that decides the adapter's weights."""
+def run_identity(cfg: FinetuneConfig, hw: HardwareConfig, numerics: str) -> RunIdentity:
+    """Everything that decides the adapter's weights (numerics: runtime.numerics of the device)."""
     keys = weight_keys({"finetune": cfg.model_dump(mode="json")}, CADENCE_KEYS)
     keys.update(
         {
@@ -97,6 +97,7 @@ def run_identity(cfg: FinetuneConfig, hw: HardwareConfig) -> RunIdentity:
             "base.fingerprint": base_fingerprint(Path(cfg.base_model)),
             "hardware.dtype": resolve_hardware(hw).dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": hw.loss_scaler,
+            "hardware.numerics": numerics,
             "code": code_fingerprint(STEP_CODE),
         }
     )
@@ -215,7 +216,7 @@ class FinetuneTask:
             cast_frozen_base(
                 model
             )  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
-        ident = run_identity(cfg, self.hw)
+        ident = run_identity(cfg, self.hw, numerics(device))
         rep = self.data.report()
         print(
             f"data: {rep['examples']} examples ({rep['assistant_tokens']} assistant tokens); dropped "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -68,6 +69,12 @@ def _describe(key: str, old: Any, new: Any) -> str:
     named = isinstance(old, list) and isinstance(new, list)
     named = named and all(isinstance(x, dict) and "name" in x for x in [*old, *new])
     if not named:
+        if isinstance(old, str) and isinstance(new, str):
+            # Long texts that share a start (runtime.numerics: "torch ...; vendor (flags); N threads") are
+            # shown from the last "; " before they part, so the cut keeps what changed.
+            part = old.rfind("; ", 0, len(os.path.commonprefix([old, new]))) + 2
+            if part > 1:
+                old, new = "..." + old[part:], "..." + new[part:]
         return f"{key}: {_shown(old)} -> {_shown(new)}"
     before, after = {x["name"]: x for x in old}, {x["name"]: x for x in new}
     parts = [

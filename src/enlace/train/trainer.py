@@ -22,7 +22,7 @@ from ..config.kinds import applied_recipe
 from ..config.resolve import Config
 from ..data import loaders as loaders_module
 from ..model import Llama
-from ..runtime import ResolvedRun, resolve_run
+from ..runtime import ResolvedRun, numerics, resolve_run
 from ..scoring.score import evaluate, precision
 from . import dist as D
 from . import loop as loop_module
@@ -58,8 +58,9 @@ __all__ = ["NonFiniteError", "PretrainRun", "PretrainTask", "RunResult", "open_p
 # ---- the task -------------------------------------------------------------------------------------
 
 
-def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIdentity:
-    """What decides the weights. cfg: as the run trains with it (resolved: the CPU kind's values included)."""
+def run_identity(cfg: Config, data_fingerprint: str, world_size: int, numerics: str) -> RunIdentity:
+    """What decides the weights. cfg: as the run trains with it (resolved: the CPU kind's values included);
+    numerics: runtime.numerics of the device it trains on."""
     d = cfg.to_dict()
     keys = weight_keys({s: d[s] for s in ("model", "data", "train")}, CADENCE_KEYS)
     keys.update(
@@ -68,6 +69,7 @@ def run_identity(cfg: Config, data_fingerprint: str, world_size: int) -> RunIden
             "world_size": world_size,
             "hardware.dtype": cfg.hardware.dtype,  # resolved: cpu-auto's bf16 or fp32
             "hardware.loss_scaler": cfg.hardware.loss_scaler,
+            "hardware.numerics": numerics,
             "code": code_fingerprint(STEP_CODE),
         }
     )
@@ -127,7 +129,7 @@ class PretrainTask:
             where = {"rank": info.rank, "world_size": info.world_size}
             self.loader = self.loader or loaders_module.make_loader(cfg, "train", **where)
             self.val_loader = self.val_loader or loaders_module.make_loader(cfg, "val", **where)
-        ident = run_identity(cfg, self.loader.fingerprint, info.world_size)
+        ident = run_identity(cfg, self.loader.fingerprint, info.world_size, numerics(device))
         self.raw_model = init_model(cfg, device)
         seed_everything(t.seed + info.rank)  # per-rank streams after the shared init (dropout, if any)
         optimizer = build_optimizer(self.raw_model, t.optimizer, device.type)
