@@ -39,6 +39,7 @@ import argparse
 import http.client
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,6 +137,10 @@ def native_version(bins: Path) -> str:
     return f"{which} vendored by llama-cpp-python {stamp.get('version', '?')}"
 
 
+class NativeCrash(SystemExit):
+    """A server process killed by a signal before it served (SIGSEGV, SIGILL): the signal's name."""
+
+
 class Server:
     """A server child process, ready when `ready` answers 200; `extra` is merged into every request body."""
 
@@ -143,7 +148,13 @@ class Server:
         self.port, self.extra, self.cmd = port, extra, cmd
         self.log = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        wait_until_serving(self.proc, port, ready, 600, self._died)
+        try:
+            wait_until_serving(self.proc, port, ready, 600, self._died)
+        except SystemExit:
+            code = self.proc.returncode
+            if code is not None and code < 0:
+                raise NativeCrash(signal.Signals(-code).name) from None
+            raise
 
     def _died(self) -> str:
         self.log.seek(0)
@@ -203,17 +214,28 @@ def start_enlace(model: Model, precision: str, sizes: Sizes, env: dict) -> Serve
     )  # fmt: skip
 
 
-def start_native(bins: Path, gguf: Path, sizes: Sizes, env: dict) -> Server:
-    """llama-server as a user starts it, with 4 slots of a context each that holds the longest request."""
-    port = free_port()
+def start_native(bins: Path, gguf: Path, sizes: Sizes, env: dict) -> tuple[Server, str]:
+    """llama-server as a user starts it, with 4 slots of a context each that holds the longest request; and
+    "" or, where it had to be started otherwise, how and why (a note for the table)."""
     per_slot = max(1024, sizes.prompt_tokens + sizes.tokens + 64)
-    return Server(
-        [str(bins / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb", str(THREADS),
-         "-np", str(sizes.streams), "-c", str(per_slot * sizes.streams),
-         "--host", "127.0.0.1", "--port", str(port)],
-        port, {"ignore_eos": True, "cache_prompt": False, "stream_options": {"include_usage": True}}, env,
-        ready="/health",  # /health answers 200 only once the model is loaded
-    )  # fmt: skip
+
+    def start(*extra: str) -> Server:
+        port = free_port()
+        return Server(
+            [str(bins / "llama-server"), "-m", str(gguf), "-t", str(THREADS), "-tb", str(THREADS),
+             "-np", str(sizes.streams), "-c", str(per_slot * sizes.streams), *extra,
+             "--host", "127.0.0.1", "--port", str(port)],
+            port, {"ignore_eos": True, "cache_prompt": False, "stream_options": {"include_usage": True}}, env,
+            ready="/health",  # /health answers 200 only once the model is loaded
+        )  # fmt: skip
+
+    try:
+        return start(), ""
+    except NativeCrash as crash:
+        # Seen on 2 cores of an Intel Xeon with AMX: the native build's repacked Q8_0 weights (its AMX and
+        # repack buffers) die with SIGSEGV at load; a user there serves with --no-repack, so the peer does too.
+        print(f"llama-server crashed ({crash}); started again with --no-repack", file=sys.stderr, flush=True)
+        return start("--no-repack"), f"--no-repack (with weight repacking it died with {crash} on this CPU)"
 
 
 def start_portable(py: str, gguf: Path, tok: HFTokenizer, env: dict) -> Server:
@@ -378,7 +400,7 @@ def run_table(model: Model, precision: str, ctx: dict, sizes: Sizes, counter: li
     servers: dict[str, Server] = {}
     try:  # all up before the first request, so no one's start-up lands in another's figures
         servers[ENLACE] = start_enlace(model, precision, sizes, ctx["env"])
-        servers[NATIVE] = start_native(ctx["bins"], gguf, sizes, ctx["env"])
+        servers[NATIVE], native_note = start_native(ctx["bins"], gguf, sizes, ctx["env"])
         if ctx["portable"]:
             servers[PORTABLE] = start_portable(ctx["portable"], gguf, tok, ctx["env"])
         figures = measure(servers, tok.decode(ids), sizes, counter)
@@ -394,6 +416,8 @@ def run_table(model: Model, precision: str, ctx: dict, sizes: Sizes, counter: li
             else weights
         )
         f["ratios"] = {k: ratio(k, f[k], figures[NATIVE][k]) for k in FIGURES}
+    if native_note:
+        figures[NATIVE]["weights"] += f", {native_note}"
     print(f"{model.label} {precision}: {json.dumps(figures)}", flush=True)
     return figures
 
