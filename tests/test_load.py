@@ -94,6 +94,22 @@ def test_adapter_is_merged_in(folder, adapter):
     assert "with the LoRA adapter" in loaded.source and loaded.name == "base+ad0"
 
 
+def test_adapter_scale_multiplies_the_delta(folder, adapter):
+    ids = HFTokenizer(folder).encode(PROMPT)
+    x = torch.tensor([ids])
+    base = load_hf_folder(folder)
+    full, half, none = (load_model(folder, adapter, adapter_scale=s) for s in (1.0, 0.5, 0.0))
+    with torch.no_grad():
+        b, f, h, z = (m(x).logits for m in (base, full.model, half.model, none.model))
+    assert torch.allclose(z, b, atol=1e-5) and (f - b).abs().max() > 1e-3
+    assert not torch.allclose(h, f, atol=1e-3) and not torch.allclose(h, b, atol=1e-3)
+    assert half.name == "base+ad0@0.5" and "scaled by 0.5" in half.source and full.name == "base+ad0"
+    with pytest.raises(ModelError, match="has no LoRA adapter to scale"):
+        load_model(folder, adapter_scale=0.5)
+    with pytest.raises(ModelError, match="finite"):
+        load_model(folder, adapter, adapter_scale=float("nan"))
+
+
 def test_lora_run_folder_is_its_base_plus_adapter(folder, adapter, tmp_path):
     import json
     import shutil

@@ -243,8 +243,13 @@ def _same_base(expected: str, recorded: str | None) -> bool:
     return not recorded or Path(str(recorded).rstrip("/")).name == Path(str(expected).rstrip("/")).name
 
 
-def load_adapter(model: nn.Module, folder: Path, base_model: str | None = None) -> dict[str, LoraLinear]:
-    """Inject adapters per adapter_config.json and load every tensor; anything missing or extra is an error."""
+def load_adapter(
+    model: nn.Module, folder: Path, base_model: str | None = None, scale: float = 1.0
+) -> dict[str, LoraLinear]:
+    """Inject adapters per adapter_config.json and load every tensor; anything missing or extra is an error.
+
+    scale multiplies every delta (alpha / r times scale), as llama.cpp's --lora-scaled: 0 is the base, 1 the
+    adapter as trained."""
     folder = Path(folder)
     if folder.is_dir():
         verify_manifest(folder)  # before anything is read: a changed or corrupt file is refused by name
@@ -267,7 +272,8 @@ def load_adapter(model: nn.Module, folder: Path, base_model: str | None = None) 
             )
     tensors = load_file(str(path))
     check_finite(tensors, path)
-    wrapped = inject_lora(model, cfg["target_modules"], int(cfg["r"]), float(cfg["lora_alpha"]), 0.0)
+    alpha = float(cfg["lora_alpha"]) * scale
+    wrapped = inject_lora(model, cfg["target_modules"], int(cfg["r"]), alpha, 0.0)
     expected = {f"{PEFT_PREFIX}{n}.lora_{ab}.weight": (n, ab) for n in wrapped for ab in "AB"}
     # PEFT writes the adapter name into keys only when it is not "default"; accept ".default" too.
     found = {

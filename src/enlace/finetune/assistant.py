@@ -45,16 +45,18 @@ def from_loaded(
 
 
 def load_assistant(spec: str | Path | None = None, model_dir: str | Path | None = None,
-                   adapter: str | Path | None = None, weights: str | None = None) -> Assistant:  # fmt: skip
+                   adapter: str | Path | None = None, weights: str | None = None,
+                   adapter_scale: float = 1.0) -> Assistant:  # fmt: skip
     """A preamble spec's assistant (plus an adapter trained in its format), or a model folder (plus an adapter)
     answering in its chat template; both opened by enlace.load. weights: decode weights as `enlace serve
     --weights` (None: the fp32 weights as loaded, through torch's own kernels)."""
     from ..load import load_model
 
     if spec is not None:
-        loaded = load_model(spec, adapter, flag="--assistant", weights=weights)
+        loaded = load_model(spec, adapter, flag="--assistant", weights=weights, adapter_scale=adapter_scale)
         tok = loaded.hf_tokenizer("enlace judge")
-        with_adapter = f"+ adapter {adapter}" if adapter else "(no adapter)"
+        scaled = f" scaled by {adapter_scale:g}" if adapter_scale != 1.0 else ""
+        with_adapter = f"+ adapter {adapter}{scaled}" if adapter else "(no adapter)"
         return Assistant(
             loaded.name, loaded.model, tok, loaded.chat_template, loaded.stops, loaded.eos_ids,
             f"{Path(loaded.preamble.base).name}, preamble {spec} {with_adapter}{_decoded(loaded, weights)}",
@@ -62,7 +64,7 @@ def load_assistant(spec: str | Path | None = None, model_dir: str | Path | None 
         )  # fmt: skip
     if model_dir is None:
         raise EnlaceError("an assistant needs a spec or a model folder")
-    loaded = load_model(model_dir, adapter, flag="--model", weights=weights)
+    loaded = load_model(model_dir, adapter, flag="--model", weights=weights, adapter_scale=adapter_scale)
     tok = loaded.hf_tokenizer("enlace judge")
     name = Path(model_dir).name + (" + LoRA" if adapter else "")
     what = f"{Path(model_dir).name}, its chat template, " + (

@@ -149,7 +149,9 @@ def _judge(args: argparse.Namespace) -> int:
     questions = read_questions(Path(args.questions), None if args.split == "all" else args.split)
     questions = interleave(questions)  # kinds in turn: a run stopped early is still a fair sample
     questions = questions[: args.limit] if args.limit else questions
-    a = load_assistant(args.assistant, args.model, args.adapter, weights=args.weights)
+    a = load_assistant(
+        args.assistant, args.model, args.adapter, weights=args.weights, adapter_scale=args.adapter_scale
+    )
     log = (lambda s: print(s, flush=True)) if args.verbose else (lambda s: None)  # noqa: E731
     out = Path(args.out or f"runs/judge/{a.name.replace(' ', '').replace('+', '-')}/judge.json")
     meta = {"questions_file": args.questions, "split": args.split}
@@ -330,6 +332,10 @@ def _register_judge(sub: argparse._SubParsersAction) -> None:
         "--adapter", default=None,
         help="a LoRA adapter folder: with --model, answering in the chat template; with --assistant, on the "
         "spec's base in its format (an adapter trained with finetune.preamble)",
+    )  # fmt: skip
+    p.add_argument(
+        "--adapter-scale", type=float, default=1.0, metavar="S",
+        help="the adapter's delta times S (default 1: as trained; 0: the base), as `enlace serve --adapter-scale`",
     )  # fmt: skip
     p.add_argument(
         "--weights", default="auto", choices=values(DecodeWeights),

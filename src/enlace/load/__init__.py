@@ -12,9 +12,10 @@ template, stop ids, the context length, what was loaded in words, and the sampli
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -96,8 +97,8 @@ class Loaded:
     @property
     def name(self) -> str:
         if self.preamble is not None:
-            return self.preamble.name + adapter_suffix(self.ref.adapter)
-        return model_name(self.ref.path, self.ref.adapter)
+            return self.preamble.name + adapter_suffix(self.ref.adapter, self.ref.adapter_scale)
+        return model_name(self.ref.path, self.ref.adapter, self.ref.adapter_scale)
 
     @property
     def chat_template(self) -> Callable[[list[Message]], list[int]] | None:
@@ -133,20 +134,21 @@ class Loaded:
         return self.tokenizer
 
 
-def model_name(path: Path, adapter: Path | None) -> str:
+def model_name(path: Path, adapter: Path | None, scale: float = 1.0) -> str:
     """A model's id: the folder's (or GGUF file's) name, plus the adapter's run (runs/finetune/adapter ->
     "+finetune")."""
     path = Path(path).resolve()
     name = path.stem if path.suffix.lower() == ".gguf" else path.name
-    return name + adapter_suffix(adapter)
+    return name + adapter_suffix(adapter, scale)
 
 
-def adapter_suffix(adapter: Path | None) -> str:
-    """ "+" and the adapter's run (runs/finetune/adapter -> "+finetune"); "" without one."""
+def adapter_suffix(adapter: Path | None, scale: float = 1.0) -> str:
+    """ "+" and the adapter's run (runs/finetune/adapter -> "+finetune", scaled by 0.5: "+finetune@0.5");
+    "" without one."""
     if adapter is None:
         return ""
     a = Path(adapter).resolve()
-    return "+" + (a.parent.name if a.name == "adapter" else a.name)
+    return "+" + (a.parent.name if a.name == "adapter" else a.name) + (f"@{scale:g}" if scale != 1.0 else "")
 
 
 def adapter_steps(adapter: Path) -> str:
@@ -157,11 +159,14 @@ def adapter_steps(adapter: Path) -> str:
     return f" ({steps} steps)" if isinstance(steps, int) else ""
 
 
-def add_adapter(model: Llama, adapter: Path, base: str | Path, merge: bool = True) -> Llama:
-    """Load a LoRA adapter trained on `base` into the model; merged: no extra matmuls per token."""
+def add_adapter(
+    model: Llama, adapter: Path, base: str | Path, merge: bool = True, scale: float = 1.0
+) -> Llama:
+    """Load a LoRA adapter trained on `base` into the model (its delta times `scale`); merged: no extra
+    matmuls per token."""
     from ..lora import load_adapter, set_merged
 
-    load_adapter(model, Path(adapter), str(base))
+    load_adapter(model, Path(adapter), str(base), scale)
     if merge:
         set_merged(model, True)
     return model
@@ -175,8 +180,9 @@ def _open_hf(ref: ModelRef, folder: Path, device: str, source: str) -> Loaded:
     release_freed_memory()
     model = load_hf_folder(folder, device=device)
     if ref.adapter is not None:
-        add_adapter(model, ref.adapter, folder)
-        source += f" with the LoRA adapter {ref.adapter}" + adapter_steps(ref.adapter)
+        add_adapter(model, ref.adapter, folder, scale=ref.adapter_scale)
+        scaled = f" scaled by {ref.adapter_scale:g}" if ref.adapter_scale != 1.0 else ""
+        source += f" with the LoRA adapter {ref.adapter}" + adapter_steps(ref.adapter) + scaled
     generation = CHAT if tok.chat_template is not None else GenerationConfig()
     return Loaded(model.eval(), ref, source, generation, tokenizer=tok, device=str(device))
 
@@ -197,7 +203,7 @@ def _open_preamble(ref: ModelRef, device: str) -> Loaded:
     """The spec's base folder, with the spec rendering every chat; plus an adapter when one is given (trained
     in the spec's format: finetune.preamble)."""
     spec = load_spec(ref.path)
-    base = locate(spec.base, ref.adapter, f"{ref.path}: base")
+    base = replace(locate(spec.base, ref.adapter, f"{ref.path}: base"), adapter_scale=ref.adapter_scale)
     if base.kind != "hf":
         raise ModelError(f"{ref.path}: base {spec.base} is not a Hugging Face model folder")
     what = f"{spec.base}, aligned in context by {ref.path}" + ("" if ref.adapter else " (no adapter)")
@@ -224,6 +230,7 @@ def load_model(
     flag: str = "--model",
     head: str = "same",
     kernels: str = "auto",
+    adapter_scale: float = 1.0,
 ) -> Loaded:
     """Open any model ENLACE can use (see the module docstring); `flag` names `path` in errors.
 
@@ -231,6 +238,7 @@ def load_model(
     before anything is read; None keeps the fp32 weights a model trains and scores with.
     head: "int8" puts the output head (and a tied embedding) in int8 whatever the rest is (--head).
     kernels: which kernels decode (choices.DecodeKernels, --kernels); checked before anything is read.
+    adapter_scale: the adapter's delta times this (--adapter-scale; 1: as trained), part of the model's name.
     """
     from ..generate import HEAD_WEIGHTS, KERNEL_CHOICES, decode_weights, resolve_decode_weights
 
@@ -244,6 +252,14 @@ def load_model(
     if head == "int8" and torch.device(device).type != "cpu":
         raise HardwareError(f"--head int8 on {device}: the int8 kernel is torch's CPU one; leave --head out")
     ref = locate(path, adapter, flag)
+    if adapter_scale != 1.0:
+        if not math.isfinite(adapter_scale):
+            raise ModelError(
+                f"--adapter-scale {adapter_scale}: give a finite number (1: the adapter as trained)"
+            )
+        if ref.adapter is None:
+            raise ModelError(f"--adapter-scale {adapter_scale:g}: {path} has no LoRA adapter to scale")
+        ref = replace(ref, adapter_scale=adapter_scale)
     if ref.kind == "run":
         loaded = _open_run(ref, str(device))
     elif ref.kind == "gguf":

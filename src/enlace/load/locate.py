@@ -26,6 +26,7 @@ class ModelRef:
     kind: str
     path: Path  # the run folder, the Hugging Face folder (a LoRA run's base), the GGUF file or the spec
     adapter: Path | None = None
+    adapter_scale: float = 1.0  # the adapter's delta B A times this (llama.cpp's --lora-scaled)
 
 
 def check_model_folder(model_dir: Path, flag: str = "--model") -> Path:

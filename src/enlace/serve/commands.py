@@ -96,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         args.name,
         args.head,
         args.kernels,
+        args.adapter_scale,
     )
     slots = args.slots
     engine = Engine(served, slots=slots, queue=args.queue, prompt_cache=args.prompt_cache)
@@ -137,6 +138,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "a pretraining run folder (runs/pretrain) or a .gguf file",
     )  # fmt: skip
     p.add_argument("--adapter", default=None, help="a LoRA adapter folder for --model (PEFT layout)")
+    p.add_argument(
+        "--adapter-scale", type=float, default=1.0, metavar="S",
+        help="the adapter's delta times S before it is merged (default 1: as trained; 0: the base), as llama.cpp's "
+        "--lora-scaled; the model id gets @S",
+    )  # fmt: skip
     p.add_argument("--name", default=None, help="the model id clients use (default: from the folder names)")
     p.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)"

@@ -144,9 +144,18 @@ def load_served(
     name: str | None = None,
     head: str = "same",
     kernels: str = "auto",
+    adapter_scale: float = 1.0,
 ) -> Served:
     from ..load import load_model
 
     kind, path, adapter_dir = resolve(model, adapter, default)
-    loaded = load_model(path, adapter_dir, device=device, weights=weights, head=head, kernels=kernels)
+    loaded = load_model(
+        path,
+        adapter_dir,
+        device=device,
+        weights=weights,
+        head=head,
+        kernels=kernels,
+        adapter_scale=adapter_scale,
+    )
     return Served.from_loaded(loaded, name or loaded.name)
