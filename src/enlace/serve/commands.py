@@ -120,6 +120,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+ADAPTER_SCALE_HELP = (
+    "the adapter's delta times S before it is merged (default 1: as trained; 0: the base), as llama.cpp's "
+    "--lora-scaled; the model id gets @S"
+)
+
+
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     from ..choices import HEAD_HELP, KERNELS_HELP, DecodeKernels, HeadWeights, values
     from ..finetune.commands import _common as finetune_common
@@ -138,11 +144,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "a pretraining run folder (runs/pretrain) or a .gguf file",
     )  # fmt: skip
     p.add_argument("--adapter", default=None, help="a LoRA adapter folder for --model (PEFT layout)")
-    p.add_argument(
-        "--adapter-scale", type=float, default=1.0, metavar="S",
-        help="the adapter's delta times S before it is merged (default 1: as trained; 0: the base), as llama.cpp's "
-        "--lora-scaled; the model id gets @S",
-    )  # fmt: skip
+    p.add_argument("--adapter-scale", type=float, default=1.0, metavar="S", help=ADAPTER_SCALE_HELP)
     p.add_argument("--name", default=None, help="the model id clients use (default: from the folder names)")
     p.add_argument(
         "--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)"
