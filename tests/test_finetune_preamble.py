@@ -165,3 +165,37 @@ def test_finetune_eval_gives_the_held_out_loss_in_the_preamble_format(tiny, tmp_
     assert r["loss_after"] < r["loss_before"]  # val is the training data here, at a high rate
     assert r["judge_with"] == f"enlace judge --assistant {spec_path} --adapter {tmp_path / 'run' / 'adapter'}"
     assert json.loads((tmp_path / "run" / "eval.json").read_text(encoding="utf-8")) == r
+
+
+def test_a_full_fine_tune_trains_the_blocks_and_is_served_by_its_own_spec(tiny, tmp_path):
+    """`method: full`: every block weight moves, the tied embedding does not; model/ is a verified Hugging
+    Face folder with the trained weights, and assistant.yaml serves it in the format it learnt. The layer's
+    own spec refuses that folder once its text changes (the model learnt the old one)."""
+    folder, spec_path, _ = tiny
+    out = tmp_path / "full"
+    finetune(cfg_for(tiny, out, method="full", optimizer={"lr": 1e-3}), HW, progress=False)
+    base, tuned = load_model(folder).model, load_model(out / "model").model
+    before, after = base.state_dict(), tuned.state_dict()
+    assert torch.equal(before["model.embed_tokens.weight"], after["model.embed_tokens.weight"])
+    moved = [k for k in before if "layers." in k and not torch.equal(before[k], after[k])]
+    assert any(".q_proj." in k for k in moved) and any(".down_proj." in k for k in moved)
+    assert not (out / "adapter").exists()
+    served = load_assistant(out / "assistant.yaml")
+    msgs = [{"role": "user", "content": "¿Dónde está el gato?"}]
+    ids = torch.tensor([served.encode(msgs)])
+    assert served.encode(msgs) == load_assistant(spec_path).encode(msgs)
+    with torch.no_grad():
+        assert torch.allclose(served.model(ids).logits, tuned(ids).logits, atol=1e-6)
+    # A byte of the weights changed: the manifest refuses the folder before it is served.
+    with pytest.raises(EnlaceError, match="model.safetensors"):
+        corrupt = out / "model" / "model.safetensors"
+        data = bytearray(corrupt.read_bytes())
+        data[-1] ^= 1
+        corrupt.write_bytes(bytes(data))
+        load_assistant(out / "assistant.yaml")
+    other = tmp_path / "other.yaml"
+    other.write_text(SPEC.format(base=out / "model", stop='"\\nUsuario:"'), encoding="utf-8")
+    with pytest.raises(EnlaceError, match="fine-tuned in another preamble's text"):
+        load_assistant(other)
+    with pytest.raises(EnlaceError, match="full fine-tune"):
+        finetune_eval(cfg_for(tiny, out, method="full"), HW)

@@ -35,7 +35,7 @@ class FinetuneCheckpoint(CheckpointConfig):
 
 
 class FinetuneConfig(Strict):
-    """The LoRA run: what to adapt, on which data, and the same loop sections as the train layer."""
+    """The fine-tuning run: what to adapt, on which data, and the same loop sections as the train layer."""
 
     name: str
     base_model: str = "models/smollm2-135m-instruct"  # a Hugging Face folder (enlace import-gguf makes one)
@@ -50,6 +50,12 @@ class FinetuneConfig(Strict):
     preamble: str | None = None
     max_len: StrictInt = Field(default=320, gt=1)
     max_examples: StrictInt = Field(default=0, ge=0)  # 0: all
+    # lora: seeded adapters on `targets` train, the base stays frozen; the run writes adapter/ (PEFT layout).
+    # full: every weight of the decoder blocks and the final norm trains (rank, alpha, dropout and targets
+    # unused); the token embedding, tied to the output head, stays frozen: it is most of a small multilingual
+    # model's bytes (Gemma 3 270M: 168 M of 268 M), and a few hundred examples touch few of its rows. The run
+    # writes model/, a Hugging Face folder (with a preamble, assistant.yaml too: the spec on that folder).
+    method: Literal["lora", "full"] = "lora"
     rank: StrictInt = Field(default=8, gt=0)
     alpha: StrictFloat = Field(default=16.0, gt=0)
     dropout: StrictFloat = Field(default=0.05, ge=0, lt=1)

@@ -152,6 +152,11 @@ def preamble_eval(cfg: FinetuneConfig, adapter: Path) -> dict:
 
 def finetune_eval(cfg: FinetuneConfig, hw: HardwareConfig, adapter: Path | None = None) -> dict:
     setup_runtime(hw)
+    if cfg.method == "full":
+        raise EnlaceError(
+            f"finetune-eval: {cfg.name} is a full fine-tune (no adapter); judge it with "
+            f"`enlace judge --assistant {Path(cfg.out) / 'assistant.yaml'}` or `--model {Path(cfg.out) / 'model'}`"
+        )
     adapter = Path(adapter or Path(cfg.out) / "adapter")
     if not (adapter / "adapter_config.json").exists():
         raise EnlaceError(f"{adapter}: no adapter; run `enlace finetune` first")

@@ -1,8 +1,9 @@
-"""`enlace finetune`: LoRA fine-tuning as a task of the training loop (train/loop.py).
+"""`enlace finetune`: LoRA or full fine-tuning as a task of the training loop (train/loop.py).
 
-The task loads a Hugging Face base model, injects seeded adapters (only they train, in one AdamW group),
-batches the instruction data so every assistant token weighs the same, and writes the adapter (PEFT
-layout) at the end. The loop gives it every guarantee pretraining has: one checkpoint layout, GradScaler
+The task loads a Hugging Face base model, injects seeded adapters (only they train, in one AdamW group) or,
+with `method: full`, unfreezes the decoder blocks (trainable_parameters), batches the instruction data so
+every assistant token weighs the same, and writes the adapter (PEFT layout) or the whole model (a Hugging
+Face folder) at the end. The loop gives it every guarantee pretraining has: one checkpoint layout, GradScaler
 under fp16, non-finite steps skipped, SIGTERM/SIGINT save and stop, the run-directory lock, and a run
 identity (settings, data, base model, code) that decides what may be resumed.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from .. import lora as lora_module
 from .. import model as model_module
@@ -26,7 +29,9 @@ from ..config.hardware import HardwareConfig
 from ..config.resolve import stable_hash
 from ..errors import ConfigError
 from ..hf import folder as hf_module
-from ..io import sha256_file
+from ..hf.arch.common import to_hf_state
+from ..hf.folder import INDEX, WEIGHTS, write_model_manifest
+from ..io import atomic_dir, atomic_write_text, sha256_file, write_safetensors
 from ..load import load_model
 from ..load.preamble import PreambleSpec, load_spec
 from ..lora import cast_frozen_base, inject_lora, lora_parameters, save_adapter
@@ -68,7 +73,7 @@ STEP_CODE = (
     lora_module,
     loss_module,
 )
-RUN_FILES = ("metrics.jsonl", "adapter", "eval.json")
+RUN_FILES = ("metrics.jsonl", "adapter", "model", "assistant.yaml", "eval.json")
 
 FinetuneDiverged = NonFiniteError  # the loop's error, under the name fine-tuning code knew it by
 
@@ -118,13 +123,30 @@ def training_preamble(cfg: FinetuneConfig) -> PreambleSpec | None:
     return spec
 
 
+def unfreeze_blocks(model: torch.nn.Module) -> None:
+    """`method: full`: every parameter trains but the token embedding (and the head tied to it)."""
+    frozen = model.model.embed_tokens.weight
+    for p in model.parameters():
+        p.requires_grad_(p is not frozen)
+
+
+def trainable_parameters(model: torch.nn.Module, method: str) -> list[tuple[str, torch.nn.Parameter]]:
+    """What the optimizer updates: the adapters (lora), or every unfrozen weight (full)."""
+    if method == "lora":
+        return lora_parameters(model)
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
 def prepare(cfg: FinetuneConfig, device: torch.device):
-    """Base model with fresh adapters (seeded), tokenizer and training data."""
+    """Base model with fresh adapters (seeded) or unfrozen blocks, tokenizer and training data."""
     spec = training_preamble(cfg)  # a bad spec fails before the model loads
     base = load_model(cfg.base_model, device=device, flag="finetune.base_model")
     model, tok = base.model, base.hf_tokenizer("finetune")
     torch.manual_seed(cfg.seed)
-    inject_lora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout)
+    if cfg.method == "lora":
+        inject_lora(model, cfg.targets, cfg.rank, cfg.alpha, cfg.dropout)
+    else:
+        unfreeze_blocks(model)
     data = load_dataset(
         tok,
         [Path(f) for f in cfg.train_files],
@@ -196,7 +218,7 @@ def neftune(model: torch.nn.Module, alpha: float, draw: tuple[int, int], input_i
 
 
 class FinetuneTask:
-    """What LoRA fine-tuning trains. `resolved`: the whole config, written beside the run when given."""
+    """What fine-tuning trains. `resolved`: the whole config, written beside the run when given."""
 
     section = "finetune"
     world_size = 1
@@ -213,9 +235,8 @@ class FinetuneTask:
         model, tok, self.data = prepare(cfg, device)  # checks the base folder and the data file, naming them
         self.pad_id = tok.pad_id
         if self.hw.dtype == "bf16":
-            cast_frozen_base(
-                model
-            )  # the frozen base in bf16 under bf16 autocast; adapters and AdamW stay fp32
+            # The frozen base in bf16 under bf16 autocast; adapters (or unfrozen blocks) and AdamW stay fp32.
+            cast_frozen_base(model)
         ident = run_identity(cfg, self.hw, numerics(device))
         rep = self.data.report()
         print(
@@ -223,7 +244,7 @@ class FinetuneTask:
             f"{rep['dropped_too_long']} longer than max_len={cfg.max_len}, {rep['dropped_no_answer']} without an answer",
             flush=True,
         )
-        named = lora_parameters(model)
+        named = trainable_parameters(model, cfg.method)
         groups = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
         o = cfg.optimizer
         opt = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -267,8 +288,36 @@ class FinetuneTask:
         if self.cfg.preamble is not None:  # served only with this spec's text (serve.loader.default_adapter)
             trained_in["preamble"] = self.cfg.preamble
             trained_in["preamble_text_sha256"] = load_spec(self.cfg.preamble).text_fingerprint()
-        save_adapter(model, run_dir / "adapter", self.cfg.base_model, {"config_hash": cfg_hash, **trained_in})
+        provenance = {"config_hash": cfg_hash, **trained_in}
+        if self.cfg.method == "full":
+            save_finetuned(model, Path(self.cfg.base_model), run_dir, self.cfg.preamble, provenance)
+            return
+        save_adapter(model, run_dir / "adapter", self.cfg.base_model, provenance)
         print(f"adapter written to {run_dir / 'adapter'}", flush=True)
+
+
+def save_finetuned(
+    model: torch.nn.Module, base: Path, run_dir: Path, preamble: str | None, provenance: dict[str, Any]
+) -> None:
+    """A full fine-tune's model/: the base folder's files (config, tokenizer, licence) with the trained
+    weights in fp32 and a manifest recording what made them; with a preamble, assistant.yaml: the spec
+    served on that folder (`enlace judge --assistant`, `enlace serve --model`)."""
+    out = run_dir / "model"
+    with atomic_dir(out) as tmp:
+        for f in sorted(base.iterdir()):
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("manifest.json", INDEX):
+                shutil.copyfile(f, tmp / f.name)
+        raw = getattr(model, "_orig_mod", model)
+        state = {k: v.float() for k, v in raw.state_dict().items()}
+        write_safetensors(tmp / WEIGHTS, to_hf_state(raw.cfg, state), metadata={"format": "pt"})
+        write_model_manifest(tmp, "hf-model", {"base_model": str(base), **provenance})
+    print(f"model written to {out}", flush=True)
+    if preamble is not None:
+        spec = load_spec(preamble)
+        served = spec.model_copy(update={"name": f"{spec.name}+{run_dir.name}", "base": str(out)})
+        text = yaml.safe_dump(served.model_dump(mode="json"), allow_unicode=True, sort_keys=False)
+        atomic_write_text(run_dir / "assistant.yaml", f"# {spec.name} on the full fine-tune in {out}\n{text}")
+        print(f"assistant spec written to {run_dir / 'assistant.yaml'}", flush=True)
 
 
 def finetune(

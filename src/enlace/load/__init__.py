@@ -206,11 +206,25 @@ def _open_preamble(ref: ModelRef, device: str) -> Loaded:
     base = replace(locate(spec.base, ref.adapter, f"{ref.path}: base"), adapter_scale=ref.adapter_scale)
     if base.kind != "hf":
         raise ModelError(f"{ref.path}: base {spec.base} is not a Hugging Face model folder")
+    check_trained_format(base.path, spec, ref.path)
     what = f"{spec.base}, aligned in context by {ref.path}" + ("" if ref.adapter else " (no adapter)")
     loaded = _open_hf(base, base.path, device, what)
     loaded.ref, loaded.preamble, loaded.generation = ref, spec, CHAT
     loaded.copy = spec.copy_table(loaded.tokenizer)
     return loaded
+
+
+def check_trained_format(folder: Path, spec: PreambleSpec, spec_path: Path) -> None:
+    """A base fine-tuned in a preamble's format (finetune `method: full`) answers only with that text: its
+    manifest records the text's fingerprint, as an adapter's does."""
+    from ..manifest import recorded_provenance
+
+    trained = recorded_provenance(folder).get("preamble_text_sha256")
+    if trained is not None and trained != spec.text_fingerprint():
+        raise ModelError(
+            f"{spec_path}: its base {folder} was fine-tuned in another preamble's text; serve it with the spec "
+            "written beside that run (assistant.yaml)"
+        )
 
 
 def _open_run(ref: ModelRef, device: str) -> Loaded:
