@@ -40,9 +40,11 @@ browser-deps:
 # preamble's format (about 4 min on 2 Zen 4 cores; docs/assistant.md: on the judge's test questions it answered
 # more on topic than the preamble alone and kept its facts). The SmolLM2 LoRA stages (finetune, finetune-eval)
 # are `make finetune`'s: judged on the same questions, that assistant answered fewer on topic.
+# On the fp32 CPU kind `make run` leaves the assistant stage out (configs/hardware/cpu-auto.yaml, run_skips):
+# `enlace hardware run-stages` says so and prints the rest.
 RUN_STAGES := eval export bench-es import-gemma3 assistant
 run: $(STAMP) system-deps
-	$(BIN)/dvc repro $(RUN_STAGES)
+	stages=$$($(BIN)/enlace hardware run-stages $(RUN_STAGES)) && $(BIN)/dvc repro $$stages
 	$(BIN)/enlace report
 
 # SmolLM2-135M-Instruct + LoRA on the instruction set (runs/finetune/adapter), and its held-out loss and answers.

@@ -130,6 +130,24 @@ def test_the_fine_tune_takes_its_kinds_recipe_too():
     assert fp32.cfg.finetune.max_steps == 24 and fp32.cfg.finetune.schedule.warmup_steps == 2
 
 
+def test_make_run_leaves_the_assistant_out_on_the_fp32_kind_only(capsys):
+    """`make run` asks `enlace hardware run-stages` which of its stages to run: the fp32 kind leaves out the
+    assistant's LoRA (kinds.fp32.run_skips), every name there is a DVC stage, and a profile with its dtype
+    set by hand keeps them all."""
+    from enlace.commands import run_stages
+
+    hw = load_config(ROOT / "params.yaml", layers=("hardware",)).hardware
+    stages = ["eval", "export", "bench-es", "import-gemma3", "assistant"]
+    assert run_stages(hw, stages, "fp32") == (stages[:-1], ["assistant"], "fp32")
+    assert run_stages(hw, stages, "bf16") == (stages, [], "bf16")
+    assert run_stages(hw.model_copy(update={"dtype": "fp32"}), stages, "fp32")[0] == stages
+    dvc_stages = yaml.safe_load((ROOT / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+    assert all(s in dvc_stages for kind in hw.kinds.values() for s in kind.run_skips)
+    assert main(["hardware", "run-stages", *stages]) == 0
+    kept = capsys.readouterr().out.split()
+    assert kept == run_stages(hw, stages)[0]
+
+
 def test_a_dtype_set_by_hand_on_cpu_auto_takes_its_kinds_compile_and_no_recipe():
     cfg = load_config(ROOT / "params.yaml", overrides=["hardware.dtype=fp32"])
     r = runtime.resolve_run(cfg, NATIVE, "AVX512")

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import paths
 from .errors import EnlaceError
+
+if TYPE_CHECKING:
+    from .config.hardware import HardwareConfig
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -42,6 +47,40 @@ def _hardware_check(args: argparse.Namespace) -> int:
             indent=2,
         )
     )
+    return 0
+
+
+def run_stages(
+    hw: HardwareConfig, stages: list[str], kind: str | None = None
+) -> tuple[list[str], list[str], str | None]:
+    """`stages` less those a CPU kind (default: this machine's) leaves out of `make run` (CpuKind.run_skips):
+    (kept, left out, the kind). A profile that names its dtype has no kind and keeps them all."""
+    from .runtime import resolve_cpu_dtype
+
+    if hw.dtype != "auto" or not hw.kinds:
+        return list(stages), [], None
+    kind = kind or resolve_cpu_dtype()
+    skips = set(hw.kinds[kind].run_skips)
+    return [s for s in stages if s not in skips], [s for s in stages if s in skips], kind
+
+
+def _hardware_run_stages(args: argparse.Namespace) -> int:
+    from .cli import load_cfg
+
+    cfg = load_cfg(args, layers=("hardware",))
+    kept, left, kind = run_stages(cfg.hardware, args.stages)
+    if left:
+        print(
+            f"make run: the {kind} CPU kind leaves out {', '.join(left)} ({cfg.files['hardware']}, "
+            f"kinds.{kind}.run_skips); `dvc repro {' '.join(left)}` runs it",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not kept:
+        raise EnlaceError(
+            f"make run: the {kind} CPU kind leaves out every stage asked for ({' '.join(left)})"
+        )
+    print(" ".join(kept))
     return 0
 
 
@@ -236,6 +275,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     hsub = p.add_subparsers(dest="hardware_command", metavar="ACTION", required=True)
     c = hsub.add_parser("check", parents=[common], help="compare the profile with the real device")
     c.set_defaults(handler=_hardware_check)
+    c = hsub.add_parser(
+        "run-stages", parents=[common],
+        help="the stages given, less those this machine's CPU kind leaves out of `make run` (kinds.KIND.run_skips)",
+    )  # fmt: skip
+    c.add_argument("stages", nargs="+", metavar="STAGE")
+    c.set_defaults(handler=_hardware_run_stages)
     _register_estimate(sub, common)
     _register_export(sub)
     _register_verify(sub)

@@ -19,6 +19,9 @@ class CpuKind(Strict):
     # layer file's value on this kind where that layer is selected (a value set in params.yaml or with --set
     # still wins). Static and checked like the layers themselves.
     recipes: dict[str, dict[str, Any]] = {}
+    # DVC stages `make run` leaves out on this kind (`enlace hardware run-stages`), where they would take it
+    # well past its budget; each still runs on its own (`dvc repro STAGE`, its make target).
+    run_skips: list[str] = []
 
     @model_validator(mode="after")
     def _recipe_keys(self) -> "CpuKind":
